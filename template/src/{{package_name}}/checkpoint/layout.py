@@ -1,0 +1,141 @@
+"""The commit protocol: how a checkpoint is named, committed, found again and retired.
+
+    <root>/step_000000120/          a committed checkpoint
+        .metadata                   DCP's global tensor layout (written by the coordinator)
+        __0_0.distcp, __1_0.distcp  one shard file per rank
+        commit.json                 written last; lists every file with its size
+    <root>/step_000000130.tmp/      a save in progress (local filesystems only)
+    <root>/step_000000100.deleting/ an old checkpoint being removed
+
+A checkpoint counts only when ``commit.json`` exists, parses, and every file it lists
+is present with the recorded size. On a filesystem with atomic rename the directory is
+also written under ``.tmp`` and renamed after the commit file, so a ``step_*``
+directory is complete or absent; on object stores the commit file alone decides.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .storage import LocalStorage
+
+log = logging.getLogger(__name__)
+
+COMMIT_FILE = "commit.json"
+METADATA_FILE = ".metadata"
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^step_(\d{9})$")
+_LEFTOVER = re.compile(r"^step_\d{9}\.(tmp|deleting)$")
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def staging_name(step: int, storage: LocalStorage) -> str:
+    """Where the shards of a save in progress are written."""
+    return step_name(step) + ".tmp" if storage.atomic_rename else step_name(step)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A complete checkpoint found on storage."""
+
+    step: int
+    name: str
+    path: str
+    record: dict[str, Any]
+
+    @property
+    def world_size(self) -> int:
+        return int(self.record["world_size"])
+
+
+def commit(storage: LocalStorage, step: int, record: dict[str, Any]) -> Committed:
+    """Seal a finished save: write commit.json last, then move it into place.
+
+    Call only after every rank's shards and the metadata file are written.
+    """
+    work = staging_name(step, storage)
+    files = storage.list_files(work)
+    if METADATA_FILE not in files:
+        raise RuntimeError(f"cannot commit {work}: {METADATA_FILE} is missing")
+    files.pop(COMMIT_FILE, None)
+    record = {**record, "step": step, "format_version": FORMAT_VERSION, "files": files}
+    storage.write_text_durable(f"{work}/{COMMIT_FILE}", json.dumps(record, indent=1) + "\n")
+    final = step_name(step)
+    if work != final:
+        if final in storage.list_names():
+            # A checkpoint of this step exists already (e.g. written by an earlier run
+            # that crashed after committing): retire it before taking its name.
+            storage.rename(final, final + ".deleting")
+            storage.remove_tree(final + ".deleting")
+        storage.rename(work, final)
+    return Committed(step, final, storage.path(final), record)
+
+
+def _verify(storage: LocalStorage, name: str, step: int) -> tuple[dict[str, Any] | None, str]:
+    try:
+        record = json.loads(storage.read_text(f"{name}/{COMMIT_FILE}"))
+    except FileNotFoundError:
+        return None, f"no {COMMIT_FILE} (the save never committed)"
+    except (OSError, ValueError) as exc:
+        return None, f"unreadable {COMMIT_FILE}: {exc}"
+    if not isinstance(record, dict) or record.get("step") != step:
+        return None, f"{COMMIT_FILE} does not describe step {step}"
+    files = record.get("files")
+    if not isinstance(files, dict) or METADATA_FILE not in files:
+        return None, f"{COMMIT_FILE} lists no {METADATA_FILE}"
+    for file_name, size in files.items():
+        actual = storage.size(f"{name}/{file_name}")
+        if actual != size:
+            what = "missing" if actual is None else f"{actual} bytes, expected {size}"
+            return None, f"{file_name} is {what}"
+    return record, ""
+
+
+def list_committed(storage: LocalStorage, *, warn: bool = True) -> list[Committed]:
+    """Every complete checkpoint, oldest first; damaged ones are skipped with a warning."""
+    found = []
+    for name in storage.list_names():
+        match = _NAME.match(name)
+        if not match:
+            continue
+        step = int(match.group(1))
+        record, problem = _verify(storage, name, step)
+        if record is None:
+            if warn:
+                log.warning("skipping checkpoint %s: %s", storage.path(name), problem)
+            continue
+        found.append(Committed(step, name, storage.path(name), record))
+    return sorted(found, key=lambda c: c.step)
+
+
+def newest_complete_checkpoint(storage: LocalStorage) -> Committed | None:
+    committed = list_committed(storage)
+    return committed[-1] if committed else None
+
+
+def retire_old(storage: LocalStorage, keep_last: int) -> list[str]:
+    """Remove all but the newest ``keep_last`` committed checkpoints; returns their names.
+
+    Renamed first, so a half-deleted directory never looks like a checkpoint.
+    """
+    removed = []
+    for old in list_committed(storage, warn=False)[:-keep_last]:
+        storage.rename(old.name, old.name + ".deleting")
+        storage.remove_tree(old.name + ".deleting")
+        removed.append(old.name)
+    return removed
+
+
+def clean_leftovers(storage: LocalStorage) -> list[str]:
+    """Remove saves that never committed and removals that never finished."""
+    leftovers = [name for name in storage.list_names() if _LEFTOVER.match(name)]
+    for name in leftovers:
+        storage.remove_tree(name)
+    return leftovers

@@ -1,0 +1,196 @@
+"""The save pipeline: DCP saves off the training path, one at a time, committed when whole.
+
+Every rank writes its own shard in parallel; the coordinator (rank 0) writes DCP's
+metadata file once all shards are written, and only then commits. In ``process`` and
+``thread`` mode, ``save`` returns as soon as the state is staged into host memory; the
+caller must call ``wait_staged`` before it changes parameters again (the optimizer
+step), and ``poll`` at every step so that a finished save is committed promptly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent import futures
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+from ..config import AsyncMode
+from . import layout
+from .storage import LocalStorage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveResult:
+    """What the training loop and metrics learn about a committed save."""
+
+    step: int
+    reason: str
+    mode: str
+    blocking_s: float
+    commit_latency_s: float
+    path: str
+    removed: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _InFlight:
+    step: int
+    reason: str
+    record: dict[str, Any]
+    started: float
+    blocking_s: float
+    upload: Future
+    staging: Future | None
+
+
+class CheckpointManager:
+    """Saves, commits, retires and loads checkpoints under one root."""
+
+    def __init__(self, storage: LocalStorage, *, mode: AsyncMode, keep_last: int,
+                 is_coordinator: bool, device: torch.device) -> None:
+        self.storage = storage
+        self.mode = AsyncMode(mode)
+        self.keep_last = keep_last
+        self.is_coordinator = is_coordinator
+        # One planner for the whole run: with plan caching, saves after the first reuse
+        # the global save plan instead of negotiating it again across ranks.
+        self._planner = dcp.DefaultSavePlanner(enable_plan_caching=True)
+        self._stager = None
+        if self.mode != AsyncMode.sync:
+            on_gpu = device.type == "cuda"
+            # Pinned memory and non-blocking copies need an accelerator; shared memory
+            # lets the background process read the staged tensors without a copy.
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=on_gpu, use_shared_memory=True,
+                use_async_staging=True, use_non_blocking_copy=on_gpu))
+        self._inflight: _InFlight | None = None
+        self.last_committed: SaveResult | None = None
+        self.failed_saves = 0
+
+    # ---------------------------------------------------------------- startup --
+    def prepare(self) -> None:
+        """Create the root and clean what an interrupted earlier run left behind."""
+        if self.is_coordinator:
+            self.storage.makedirs()
+            for name in layout.clean_leftovers(self.storage):
+                log.info("removed unfinished %s", self.storage.path(name))
+
+    def newest(self) -> layout.Committed | None:
+        return layout.newest_complete_checkpoint(self.storage)
+
+    def load(self, state: dict[str, Any], checkpoint: layout.Committed) -> None:
+        """Load ``state`` (Stateful objects) in place; DCP reshards to this world size."""
+        dcp.load(state, storage_reader=self.storage.reader(checkpoint.name))
+
+    # ------------------------------------------------------------------- save --
+    @property
+    def in_flight(self) -> bool:
+        return self._inflight is not None
+
+    def save(self, step: int, state: dict[str, Any], reason: str, record: dict[str, Any],
+             *, blocking: bool = False) -> SaveResult | None:
+        """Start a save of ``state`` at ``step``.
+
+        A save still in flight is finished (and committed) first: never two at once,
+        and the staging buffers are reused. Returns the result of whichever save
+        committed during the call. ``blocking`` writes synchronously whatever the mode
+        (the last save before exiting: the background process may already be gone).
+        """
+        started = time.perf_counter()
+        previous = self.wait()
+        writer = self.storage.writer(layout.staging_name(step, self.storage))
+        if blocking or self.mode == AsyncMode.sync:
+            dcp.save(state, storage_writer=writer, planner=self._planner)
+            elapsed = time.perf_counter() - started
+            self._inflight = _InFlight(step, reason, record, started, elapsed,
+                                       _done_future(), None)
+            return self._finish(mode=AsyncMode.sync) or previous
+        kind = (AsyncCheckpointerType.PROCESS if self.mode == AsyncMode.process
+                else AsyncCheckpointerType.THREAD)
+        response = dcp.async_save(state, storage_writer=writer, planner=self._planner,
+                                  async_checkpointer_type=kind, async_stager=self._stager)
+        if isinstance(response, AsyncSaveResponse):
+            upload, staging = response.upload_completion, response.staging_completion
+        else:
+            upload, staging = response, None
+        self._inflight = _InFlight(step, reason, record, started,
+                                   time.perf_counter() - started, upload, staging)
+        return previous
+
+    def wait_staged(self) -> None:
+        """Block until the in-flight save has copied the state (before parameters change)."""
+        inflight = self._inflight
+        if inflight is not None and inflight.staging is not None:
+            began = time.perf_counter()
+            futures.wait([inflight.staging])  # a failed staging surfaces through the upload
+            inflight.blocking_s += time.perf_counter() - began
+            inflight.staging = None
+
+    def poll(self) -> SaveResult | None:
+        """Commit the in-flight save if it has finished; never blocks."""
+        if self._inflight is not None and self._inflight.upload.done():
+            return self._finish()
+        return None
+
+    def wait(self) -> SaveResult | None:
+        """Block until the in-flight save (if any) is written, then commit it."""
+        if self._inflight is None:
+            return None
+        self.wait_staged()
+        futures.wait([self._inflight.upload])  # errors are reported by _finish
+        return self._finish()
+
+    def _finish(self, mode: AsyncMode | None = None) -> SaveResult | None:
+        inflight, self._inflight = self._inflight, None
+        try:
+            inflight.upload.result(timeout=0)
+        # A failed save must not end training: the previous checkpoint stays usable.
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001
+            self.failed_saves += 1
+            log.error("checkpoint save at step %d failed, the previous checkpoint stays "
+                      "the newest: %s", inflight.step, exc)
+            return None
+        if not self.is_coordinator:
+            return None
+        latency = time.perf_counter() - inflight.started
+        record = {
+            **inflight.record,
+            "reason": inflight.reason,
+            "mode": (mode or self.mode).value,
+            "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "blocking_s": round(inflight.blocking_s, 6),
+            "commit_latency_s": round(latency, 6),
+            "torch_version": torch.__version__,
+        }
+        committed = layout.commit(self.storage, inflight.step, record)
+        removed = layout.retire_old(self.storage, self.keep_last)
+        result = SaveResult(inflight.step, inflight.reason, (mode or self.mode).value,
+                            inflight.blocking_s,
+                            latency, committed.path, removed)
+        self.last_committed = result
+        return result
+
+    def close(self) -> SaveResult | None:
+        """Finish the in-flight save and release the staging buffers."""
+        result = self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        return result
+
+
+def _done_future() -> Future:
+    future: Future = Future()
+    future.set_result(None)
+    return future

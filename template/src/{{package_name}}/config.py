@@ -1,0 +1,213 @@
+"""Run configuration: a structured config (dataclasses) filled from YAML and key=value overrides.
+
+OmegaConf checks types and rejects unknown keys (with a suggestion); the range checks
+below catch values of the right type that still make no sense.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+DEFAULT_CONFIG = Path("configs/train.yaml")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+class AsyncMode(str, enum.Enum):
+    process = "process"
+    thread = "thread"
+    sync = "sync"
+
+
+class Parallelism(str, enum.Enum):
+    fsdp = "fsdp"
+    ddp = "ddp"
+
+
+class NoticeSource(str, enum.Enum):
+    none = "none"
+    aws = "aws"
+    gcp = "gcp"
+    azure = "azure"
+
+
+def _require(condition: bool, key: str, message: str, value: object) -> None:
+    if not condition:
+        raise ConfigError(f"{key} {message} (got {value!r})")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 2000
+    global_batch_size: int = 16
+    micro_batch_size: int = 2
+    seq_len: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        _require(self.max_steps >= 1, "train.max_steps", "must be >= 1", self.max_steps)
+        _require(self.global_batch_size >= 1, "train.global_batch_size", "must be >= 1",
+                 self.global_batch_size)
+        _require(self.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1",
+                 self.micro_batch_size)
+        _require(self.global_batch_size % self.micro_batch_size == 0, "train.global_batch_size",
+                 f"must be a multiple of train.micro_batch_size={self.micro_batch_size}",
+                 self.global_batch_size)
+        _require(self.seq_len >= 2, "train.seq_len", "must be >= 2", self.seq_len)
+        _require(self.lr > 0, "train.lr", "must be > 0", self.lr)
+        _require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0", self.warmup_steps)
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]",
+                 self.min_lr_ratio)
+        _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0", self.weight_decay)
+        _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)",
+                 self.grad_clip)
+
+
+@dataclass
+class ModelConfig:
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.d_model >= 1, "model.d_model", "must be >= 1", self.d_model)
+        _require(self.n_layers >= 1, "model.n_layers", "must be >= 1", self.n_layers)
+        _require(self.n_heads >= 1, "model.n_heads", "must be >= 1", self.n_heads)
+        _require(self.d_model % self.n_heads == 0, "model.d_model",
+                 f"must be a multiple of model.n_heads={self.n_heads}", self.d_model)
+        _require(0 <= self.dropout < 1, "model.dropout", "must be in [0, 1)", self.dropout)
+
+
+@dataclass
+class DataConfig:
+    corpus: str = ""
+    corpus_chars: int = 200_000
+
+    def __post_init__(self) -> None:
+        _require(self.corpus_chars >= 1000, "data.corpus_chars", "must be >= 1000",
+                 self.corpus_chars)
+        if self.corpus:
+            _require(Path(self.corpus).is_file(), "data.corpus", "must be an existing file",
+                     self.corpus)
+
+
+@dataclass
+class DistributedConfig:
+    parallelism: Parallelism = Parallelism.fsdp
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        _require(self.backend in ("auto", "gloo", "nccl"), "distributed.backend",
+                 "must be auto, gloo or nccl", self.backend)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "checkpoints"
+    interval_steps: int = 100
+    keep_last: int = 3
+    async_mode: AsyncMode = AsyncMode.process
+
+    def __post_init__(self) -> None:
+        _require(bool(self.dir.strip()), "checkpoint.dir", "must not be empty", self.dir)
+        _require(self.interval_steps >= 1, "checkpoint.interval_steps", "must be >= 1",
+                 self.interval_steps)
+        _require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", self.keep_last)
+
+
+@dataclass
+class PreemptionConfig:
+    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    grace_period_s: float = 30.0
+    exit_code: int = 75
+    notice_source: NoticeSource = NoticeSource.none
+    metadata_url: str = ""
+    poll_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in self.signals:
+            _require(isinstance(getattr(signal, str(name), None), signal.Signals),
+                     "preemption.signals", "must name signals such as SIGTERM or SIGUSR1", name)
+            _require(name not in ("SIGKILL", "SIGSTOP"), "preemption.signals",
+                     "cannot include a signal that cannot be caught", name)
+        _require(self.grace_period_s > 0, "preemption.grace_period_s", "must be > 0",
+                 self.grace_period_s)
+        _require(1 <= self.exit_code <= 255 and self.exit_code != 1, "preemption.exit_code",
+                 "must be in 2..255 (0 means finished, 1 means crashed)", self.exit_code)
+        _require(self.poll_interval_s > 0, "preemption.poll_interval_s", "must be > 0",
+                 self.poll_interval_s)
+
+
+@dataclass
+class LogConfig:
+    dir: str = "logs"
+    every_steps: int = 10
+
+    def __post_init__(self) -> None:
+        _require(self.every_steps >= 1, "log.every_steps", "must be >= 1", self.every_steps)
+
+
+@dataclass
+class PlanConfig:
+    mtbi_hours: float = 8.0
+    step_time_seconds: float = 2.0
+    checkpoint_save_seconds: float = 10.0
+    restart_seconds: float = 120.0
+    badput_target_percent: float = 5.0
+
+
+@dataclass
+class Config:
+    train: TrainConfig = field(default_factory=TrainConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read YAML (``configs/train.yaml`` by default) and apply ``key=value`` overrides.
+
+    Raises ConfigError with a message that names the offending key.
+    """
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found (pass --config PATH)")
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+    try:
+        merged = OmegaConf.merge(
+            OmegaConf.structured(Config),
+            OmegaConf.load(path),
+            OmegaConf.from_dotlist(list(overrides)),
+        )
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        # The first line says what is wrong (for a typo, with a suggestion); full_key says where.
+        message = str(exc).split("\n")[0].strip()
+        key = getattr(exc, "full_key", None)
+        raise ConfigError(f"{key}: {message}" if key and key not in message else message) from None
+
+
+def to_plain_dict(config: Config) -> dict:
+    """The resolved configuration as plain data (enums as strings), for commit.json."""
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True,
+                                  enum_to_str=True)

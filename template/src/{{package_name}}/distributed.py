@@ -1,0 +1,81 @@
+"""Process group, device and model wrapping (FSDP2 or DDP), set up once per process."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import DistributedConfig, Parallelism
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def setup(cfg: DistributedConfig) -> Runtime:
+    """Join (or, without torchrun, create) the process group and pick the device.
+
+    Run without torchrun, the process makes itself a one-rank group, so the same code
+    path (FSDP2, DCP, the background checkpoint process) serves both cases.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and cfg.backend != "gloo"
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        # CPU collectives are needed for the preemption vote and DCP's own coordination
+        # even when training uses NCCL.
+        pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
+        dist.init_process_group(pg_backend, timeout=datetime.timedelta(minutes=10))
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_model(model: nn.Module, cfg: DistributedConfig, runtime: Runtime) -> nn.Module:
+    """Shard the model with FSDP2 (each block, then the root) or replicate it with DDP."""
+    model.to(runtime.device)
+    if cfg.parallelism == Parallelism.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [runtime.local_rank] if runtime.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)

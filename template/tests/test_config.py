@@ -1,0 +1,51 @@
+import pytest
+from conftest import ROOT, run_module
+
+
+@pytest.fixture
+def config_module(package):
+    return __import__(f"{package.__name__}.config", fromlist=["load_config"])
+
+
+def test_defaults_load_and_overrides_apply(config_module):
+    cfg = config_module.load_config(ROOT / "configs/train.yaml",
+                                    ["train.max_steps=7", "checkpoint.async_mode=sync"])
+    assert cfg.train.max_steps == 7
+    assert cfg.checkpoint.async_mode == config_module.AsyncMode.sync
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("train.max_stepz=3", "max_stepz"),                 # unknown key
+    ("train.max_steps=abc", "train.max_steps"),        # wrong type
+    ("train.max_steps=0", "train.max_steps"),          # out of range
+    ("checkpoint.keep_last=0", "checkpoint.keep_last"),
+    ("checkpoint.async_mode=fast", "async_mode"),
+    ("model.d_model=30", "model.d_model"),             # not a multiple of n_heads
+    ("train.global_batch_size=15", "train.global_batch_size"),
+    ("preemption.signals=[SIGKILL]", "preemption.signals"),
+    ("preemption.exit_code=1", "preemption.exit_code"),
+    ("model.dropout=1.5", "model.dropout"),
+    ("nokey", "key=value"),
+])
+def test_bad_values_are_refused_naming_the_key(config_module, override, fragment):
+    with pytest.raises(config_module.ConfigError, match=fragment.replace("[", r"\[")):
+        config_module.load_config(ROOT / "configs/train.yaml", [override])
+
+
+def test_unknown_key_suggests_the_right_one(config_module):
+    with pytest.raises(config_module.ConfigError) as info:
+        config_module.load_config(ROOT / "configs/train.yaml", ["train.max_stepz=3"])
+    assert "max_steps" in str(info.value)
+
+
+def test_train_cli_reports_bad_config_with_exit_2(tmp_path):
+    proc = run_module("train", "train.lr=-1", f"log.dir={tmp_path}", check=False)
+    assert proc.returncode == 2
+    assert "train.lr" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["train"])
+def test_commands_answer_help(command):
+    proc = run_module(command, "--help")
+    assert "usage" in proc.stdout.lower()

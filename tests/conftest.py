@@ -1,0 +1,41 @@
+"""Helpers for the template's tests: render the template, run what it generated."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from copier import run_copy
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def render(dst: Path, **answers) -> Path:
+    """Render the working tree of the template into ``dst`` non-interactively."""
+    run_copy(str(REPO), str(dst), data=answers, defaults=True, quiet=True, unsafe=False)
+    return dst
+
+
+def package_of(project: Path) -> str:
+    return next(p.parent.name for p in (project / "src").glob("*/train.py"))
+
+
+def run_in(project: Path, *args: str, timeout: float = 900,
+           check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python args`` inside a generated project, its src/ on the path."""
+    env = dict(os.environ, PYTHONPATH=str(project / "src"), OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, *args], cwd=project, env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} exited {proc.returncode}\n{proc.stdout[-5000:]}\n"
+                             f"{proc.stderr[-5000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def default_project(tmp_path_factory) -> Path:
+    return render(tmp_path_factory.mktemp("default") / "my-run")
