@@ -60,6 +60,28 @@ def test_generated_code_is_lint_clean(default_project):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_launch_files_follow_the_answers(tmp_path, default_project):
+    assert not (default_project / "launch").exists() or not any((default_project / "launch").iterdir())
+    assert (default_project / "Dockerfile").is_file()
+    project = render(tmp_path / "all", launchers=["slurm", "kubernetes", "skypilot"],
+                     grace_period_seconds=45.0, project_name="Spot Trainer")
+    sbatch = (project / "launch/slurm.sbatch").read_text()
+    subprocess.run(["bash", "-n", str(project / "launch/slurm.sbatch")], check=True)
+    assert "#SBATCH --signal=B:USR1@75" in sbatch          # grace 45 s + 30 s margin
+    assert "python -m spot_trainer.resume" in sbatch and "scontrol requeue" in sbatch
+    job = yaml.safe_load((project / "launch/kubernetes.yaml").read_text())
+    pod = job["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 75
+    rule = job["spec"]["podFailurePolicy"]["rules"][0]
+    assert rule["action"] == "Ignore" and rule["onExitCodes"]["values"] == [75]
+    config = yaml.safe_load((project / "configs/train.yaml").read_text())
+    assert config["preemption"]["exit_code"] == 75
+    sky = yaml.safe_load((project / "launch/skypilot.yaml").read_text())
+    assert sky["resources"]["use_spot"] is True and "spot_trainer.resume" in sky["run"]
+    dockerfile = (project / "Dockerfile").read_text()
+    assert '"spot_trainer.resume"' in dockerfile
+
+
 @pytest.mark.slow
 def test_default_project_own_test_suite_passes(default_project):
     proc = run_in(default_project, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider")
