@@ -78,6 +78,10 @@ def test_launch_files_follow_the_answers(tmp_path, default_project):
     assert config["preemption"]["exit_code"] == 75
     sky = yaml.safe_load((project / "launch/skypilot.yaml").read_text())
     assert sky["resources"]["use_spot"] is True and "spot_trainer.resume" in sky["run"]
+    # The copy-time figure is the one the generated launcher computes at run time.
+    probe = ("from spot_trainer.config import load_config; from spot_trainer.launch import "
+             "shutdown_timeout_s; print(shutdown_timeout_s(load_config().preemption))")
+    assert run_in(project, "-c", probe).stdout.strip() == "75"
     dockerfile = (project / "Dockerfile").read_text()
     assert '"spot_trainer.resume"' in dockerfile
 
