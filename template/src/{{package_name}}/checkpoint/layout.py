@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .storage import LocalStorage
+from .storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def step_name(step: int) -> str:
     return f"step_{step:09d}"
 
 
-def staging_name(step: int, storage: LocalStorage) -> str:
+def staging_name(step: int, storage: Storage) -> str:
     """Where the shards of a save in progress are written."""
     return step_name(step) + ".tmp" if storage.atomic_rename else step_name(step)
 
@@ -55,7 +55,7 @@ class Committed:
         return int(self.record["world_size"])
 
 
-def commit(storage: LocalStorage, step: int, record: dict[str, Any]) -> Committed:
+def commit(storage: Storage, step: int, record: dict[str, Any]) -> Committed:
     """Seal a finished save: write commit.json last, then move it into place.
 
     Call only after every rank's shards and the metadata file are written.
@@ -72,13 +72,12 @@ def commit(storage: LocalStorage, step: int, record: dict[str, Any]) -> Committe
         if final in storage.list_names():
             # A checkpoint of this step exists already (e.g. written by an earlier run
             # that crashed after committing): retire it before taking its name.
-            storage.rename(final, final + ".deleting")
-            storage.remove_tree(final + ".deleting")
+            _discard(storage, final)
         storage.rename(work, final)
     return Committed(step, final, storage.path(final), record)
 
 
-def _verify(storage: LocalStorage, name: str, step: int) -> tuple[dict[str, Any] | None, str]:
+def _verify(storage: Storage, name: str, step: int) -> tuple[dict[str, Any] | None, str]:
     try:
         record = json.loads(storage.read_text(f"{name}/{COMMIT_FILE}"))
     except FileNotFoundError:
@@ -98,7 +97,7 @@ def _verify(storage: LocalStorage, name: str, step: int) -> tuple[dict[str, Any]
     return record, ""
 
 
-def list_committed(storage: LocalStorage, *, warn: bool = True) -> list[Committed]:
+def list_committed(storage: Storage, *, warn: bool = True) -> list[Committed]:
     """Every complete checkpoint, oldest first; damaged ones are skipped with a warning."""
     found = []
     for name in storage.list_names():
@@ -115,27 +114,43 @@ def list_committed(storage: LocalStorage, *, warn: bool = True) -> list[Committe
     return sorted(found, key=lambda c: c.step)
 
 
-def newest_complete_checkpoint(storage: LocalStorage) -> Committed | None:
+def newest_complete_checkpoint(storage: Storage) -> Committed | None:
     committed = list_committed(storage)
     return committed[-1] if committed else None
 
 
-def retire_old(storage: LocalStorage, keep_last: int) -> list[str]:
+def retire_old(storage: Storage, keep_last: int) -> list[str]:
     """Remove all but the newest ``keep_last`` committed checkpoints; returns their names.
 
-    Renamed first, so a half-deleted directory never looks like a checkpoint.
+    A half-deleted checkpoint never looks complete (see ``_discard``).
     """
     removed = []
     for old in list_committed(storage, warn=False)[:-keep_last]:
-        storage.rename(old.name, old.name + ".deleting")
-        storage.remove_tree(old.name + ".deleting")
+        _discard(storage, old.name)
         removed.append(old.name)
     return removed
 
 
-def clean_leftovers(storage: LocalStorage) -> list[str]:
-    """Remove saves that never committed and removals that never finished."""
-    leftovers = [name for name in storage.list_names() if _LEFTOVER.match(name)]
-    for name in leftovers:
+def _discard(storage: Storage, name: str) -> None:
+    if storage.atomic_rename:
+        storage.rename(name, name + ".deleting")
+        storage.remove_tree(name + ".deleting")
+    else:
+        # Without rename, the commit file goes first: the rest no longer counts.
+        storage.remove_file(f"{name}/{COMMIT_FILE}")
         storage.remove_tree(name)
+
+
+def clean_leftovers(storage: Storage) -> list[str]:
+    """Remove saves that never committed and removals that never finished.
+
+    On object stores an unfinished save is a ``step_*`` prefix without a commit file.
+    """
+    leftovers = []
+    for name in storage.list_names():
+        unfinished = (not storage.atomic_rename and _NAME.match(name)
+                      and storage.size(f"{name}/{COMMIT_FILE}") is None)
+        if _LEFTOVER.match(name) or unfinished:
+            storage.remove_tree(name)
+            leftovers.append(name)
     return leftovers

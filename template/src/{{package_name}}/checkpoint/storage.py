@@ -80,6 +80,9 @@ class LocalStorage:
     def remove_tree(self, name: str) -> None:
         shutil.rmtree(self.root / name, ignore_errors=True)
 
+    def remove_file(self, name: str) -> None:
+        (self.root / name).unlink(missing_ok=True)
+
     def writer(self, name: str) -> StorageWriter:
         return FileSystemWriter(self.path(name), sync_files=True)
 
@@ -95,11 +98,97 @@ class LocalStorage:
             os.close(fd)
 
 
-def open_storage(url: str) -> LocalStorage:
-    """The storage for ``checkpoint.dir``: a path or a file:// URL."""
+class FsspecStorage:
+    """A checkpoint root in an object store (s3://, gs://, az://, ...) through fsspec.
+
+    Objects appear whole or not at all, but there is no atomic rename of a "directory":
+    shards are written straight into ``step_<n>/`` and ``commit.json`` alone decides.
+    Credentials and endpoints come from the usual environment (AWS_*, GOOGLE_*, ...).
+    """
+
+    atomic_rename = False
+
+    def __init__(self, url: str) -> None:
+        import fsspec  # optional: pip install -e '.[s3]' (or gcs, azure)
+
+        self.url = url.rstrip("/")
+        self.fs, self._root = fsspec.core.url_to_fs(self.url)
+
+    def __str__(self) -> str:
+        return self.url
+
+    def path(self, name: str) -> str:
+        return f"{self.url}/{name}" if name else self.url
+
+    def _key(self, name: str) -> str:
+        return f"{self._root}/{name}" if name else self._root
+
+    def makedirs(self, name: str = "") -> None:
+        self.fs.makedirs(self._key(name), exist_ok=True)
+
+    def list_names(self) -> list[str]:
+        try:
+            entries = self.fs.ls(self._root, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries)
+
+    def size(self, name: str) -> int | None:
+        try:
+            return int(self.fs.size(self._key(name)))
+        except FileNotFoundError:
+            return None
+
+    def list_files(self, name: str) -> dict[str, int]:
+        entries = self.fs.ls(self._key(name), detail=True, refresh=True)
+        return {e["name"].rsplit("/", 1)[-1]: int(e["size"]) for e in entries
+                if e["type"] == "file"}
+
+    def read_text(self, name: str) -> str:
+        return self.fs.cat_file(self._key(name)).decode("utf-8")
+
+    def write_text_durable(self, name: str, text: str) -> None:
+        # A single PUT: the object is visible complete or not at all.
+        self.fs.pipe_file(self._key(name), text.encode("utf-8"))
+
+    def rename(self, src: str, dst: str) -> None:
+        raise NotImplementedError("object stores have no atomic rename")
+
+    def remove_tree(self, name: str) -> None:
+        try:
+            self.fs.rm(self._key(name), recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def remove_file(self, name: str) -> None:
+        try:
+            self.fs.rm_file(self._key(name))
+        except FileNotFoundError:
+            pass
+
+    def writer(self, name: str) -> StorageWriter:
+        # DCP's fsspec writer lives in a private module (public since torch 2.2 in all but name).
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(self.path(name), sync_files=True)
+
+    def reader(self, name: str) -> StorageReader:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(self.path(name))
+
+
+Storage = LocalStorage | FsspecStorage
+
+
+def open_storage(url: str) -> Storage:
+    """The storage for ``checkpoint.dir``: a path, a file:// URL or an object-store URL."""
     if url.startswith(_URL_SCHEMES):
-        raise NotImplementedError(
-            f"checkpoint.dir={url!r}: object-store URLs are not supported by this version of "
-            "the project yet; mount the bucket (e.g. with a FUSE driver) and give its path"
-        )
+        try:
+            return FsspecStorage(url)
+        except ImportError as exc:
+            extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}.get(url.split("://")[0], "azure")
+            raise RuntimeError(
+                f"checkpoint.dir={url!r} needs fsspec and the store's driver: "
+                f"pip install -e '.[{extra}]' ({exc})") from None
     return LocalStorage(url)

@@ -1,0 +1,99 @@
+"""Checkpoints in an object store: no rename, so commit.json written last decides.
+
+The S3 tests run against moto's S3 server on 127.0.0.1; the protocol tests use fsspec's
+in-memory filesystem.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import read_metrics, torchrun
+
+fsspec = pytest.importorskip("fsspec")
+
+
+@pytest.fixture
+def ckpt(package):
+    layout = __import__(f"{package.__name__}.checkpoint.layout", fromlist=["commit"])
+    storage = __import__(f"{package.__name__}.checkpoint.storage", fromlist=["FsspecStorage"])
+    return layout, storage
+
+
+@pytest.fixture
+def memory_store(ckpt, request):
+    _, storage_mod = ckpt
+    url = f"memory://ckpt-{request.node.name}"
+    yield storage_mod.FsspecStorage(url)
+    fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+
+def fake_save(store, step):
+    for name, size in ((".metadata", 100), ("__0_0.distcp", 1000), ("__1_0.distcp", 900)):
+        store.fs.pipe_file(f"{store._key(f'step_{step:09d}')}/{name}", b"x" * size)
+
+
+def test_object_store_commit_needs_no_rename(ckpt, memory_store):
+    layout, _ = ckpt
+    fake_save(memory_store, 4)
+    assert layout.newest_complete_checkpoint(memory_store) is None   # shards, no commit file
+    committed = layout.commit(memory_store, 4, {"world_size": 2})
+    assert committed.name == "step_000000004"
+    assert layout.newest_complete_checkpoint(memory_store).step == 4
+
+
+def test_object_store_retention_and_leftovers(ckpt, memory_store):
+    layout, _ = ckpt
+    for step in (1, 2, 3):
+        fake_save(memory_store, step)
+        layout.commit(memory_store, step, {"world_size": 2})
+    fake_save(memory_store, 4)                                       # interrupted save
+    assert layout.retire_old(memory_store, keep_last=1) == ["step_000000001", "step_000000002"]
+    assert layout.clean_leftovers(memory_store) == ["step_000000004"]
+    assert memory_store.list_names() == ["step_000000003"]
+
+
+def test_object_store_truncated_shard_is_skipped(ckpt, memory_store):
+    layout, _ = ckpt
+    for step in (1, 2):
+        fake_save(memory_store, step)
+        layout.commit(memory_store, step, {"world_size": 2})
+    memory_store.fs.pipe_file(memory_store._key("step_000000002/__1_0.distcp"), b"short")
+    assert layout.newest_complete_checkpoint(memory_store).step == 1
+
+
+@pytest.fixture
+def s3_bucket(monkeypatch):
+    """A bucket on a local moto S3 server; the environment points every client at it."""
+    server_mod = pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    for key, value in {"AWS_ENDPOINT_URL": f"http://{host}:{port}",
+                       "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    fsspec.filesystem("s3", skip_instance_cache=True).mkdir("ckpt-bucket")
+    yield "s3://ckpt-bucket/run"
+    server.stop()
+
+
+def test_two_ranks_save_to_s3_and_resume(s3_bucket, tmp_path):
+    logs = tmp_path / "logs"
+    args = ["model.d_model=32", "model.n_layers=1", "checkpoint.interval_steps=4",
+            "checkpoint.keep_last=1", f"checkpoint.dir={s3_bucket}", f"log.dir={logs}"]
+    torchrun(2, "train", "train.max_steps=8", *args)
+    s3 = fsspec.filesystem("s3", skip_instance_cache=True)
+    assert [p.rsplit("/", 1)[-1] for p in s3.ls("ckpt-bucket/run", refresh=True)] == [
+        "step_000000008"]
+    names = {p.rsplit("/", 1)[-1] for p in s3.ls("ckpt-bucket/run/step_000000008")}
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "commit.json"} <= names
+    record = json.loads(s3.cat_file("ckpt-bucket/run/step_000000008/commit.json"))
+    assert record["step"] == 8 and record["world_size"] == 2
+
+    torchrun(2, "train", "train.max_steps=10", *args)
+    starts = [e for e in read_metrics(Path(logs)) if e["event"] == "start"]
+    assert [s["step"] for s in starts] == [0, 8]
