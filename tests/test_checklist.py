@@ -1,0 +1,353 @@
+"""docs/CHECKLIST.md, rendered by copier, shows the numbers the generated `plan` computes.
+
+copier runs no code, so copier.yml repeats the plan's formulas in Jinja for the
+copy-time checklist. These tests hold the two copies together: full renders of
+a few answer sets (English and Chinese, reachable and unreachable targets)
+compared with `python -m <package>.plan --json`, and the copier.yml expressions
+against the plan module on many random answers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from jinja2.sandbox import SandboxedEnvironment
+
+from conftest import REPO, render, run_in
+
+PLAN_PY = REPO / "template" / "src" / "{{package_name}}" / "plan.py"
+
+ANSWER_SETS = {
+    "defaults": {},
+    # Spot machines interrupted hourly with a slow restart: R/M alone is 16.7 %.
+    "spot-unreachable": {
+        "mtbi_hours": 1.0, "checkpoint_save_seconds": 60.0,
+        "restart_seconds": 600.0, "badput_target_percent": 5.0,
+        "launchers": ["kubernetes", "slurm"], "cloud": "aws", "grace_period_seconds": 90.0,
+        "checkpoint_dir": "/tmp/ckpt", "async_mode": "sync",
+    },
+    "dedicated": {
+        "project_name": "big-run", "mtbi_hours": 72.0, "step_time_seconds": 0.35,
+        "checkpoint_save_seconds": 45.0, "restart_seconds": 300.0, "badput_target_percent": 2.0,
+        "cloud": "gcp", "checkpoint_dir": "s3://bucket/big-run", "async_mode": "thread",
+        "launchers": ["skypilot"], "grace_period_seconds": 25.0,
+    },
+    # Long steps: the intervals meeting the target all lie below one step.
+    "long-steps-unreachable": {
+        "mtbi_hours": 0.5, "step_time_seconds": 300.0,
+        "checkpoint_save_seconds": 5.0, "restart_seconds": 0.0, "badput_target_percent": 8.0,
+        "cloud": "azure", "checkpoint_dir": "/mnt/shared/ckpt",
+    },
+    # The intervals meeting the target lie between two whole numbers of steps.
+    "between-steps-unreachable": {
+        "mtbi_hours": 0.5, "step_time_seconds": 120.0, "checkpoint_save_seconds": 10.0,
+        "restart_seconds": 30.0, "badput_target_percent": 13.0, "launchers": ["kubernetes"],
+    },
+}
+
+# Second cell of each table row -> how plan's JSON fills the third cell.
+NUMBER_REGEX = re.compile(r"\d+(?:\.\d+)?(?:e[+-]\d+)?")
+
+
+# The template formats with Jinja's `'%g' | format(x)` and friends: the same here.
+def g(x: float) -> str:
+    return "%g" % x  # noqa: UP031
+
+
+def f1(x: float) -> str:
+    return "%.1f" % x  # noqa: UP031
+
+
+def f2(x: float) -> str:
+    return "%.2f" % x  # noqa: UP031
+
+
+def f0(x: float) -> str:
+    return "%.0f" % x  # noqa: UP031
+
+
+def expected_rows(plan: dict) -> dict[str, list[str]]:
+    i, c = plan["inputs"], plan["badput_components_percent"]
+    n, n_max, bound = (plan["interval_steps"], plan["max_interval_steps_for_target"],
+                       plan["simple_bound_max_interval_steps"])
+    return {
+        "M": [g(i["mtbi_hours"]), f0(i["mtbi_seconds"])],
+        "T": [g(i["step_seconds"])],
+        "δ": [g(i["blocking_seconds"])],
+        "L": [g(i["commit_latency_seconds"])],
+        "R": [g(i["restart_seconds"])],
+        "target": [g(i["badput_target_percent"])],
+        "N": [str(n), f1(plan["interval_seconds"]), f1(plan["interval_seconds"] / 60)],
+        "τ*": [f1(plan["young_daly_interval_seconds"])],
+        "B(N·T)": [f2(plan["expected_badput_percent"])],
+        "δ/(τ+δ)": [f2(c["saving"])],
+        "(τ+δ)/(2M)": [f2(c["rework"])],
+        "L/M": [f2(c["commit_latency"])],
+        "R/M": [f2(c["restart"])],
+        "B_min": [f2(plan["min_badput_percent"])],
+        "N_max": [] if n_max is None else [str(n_max), f1(plan["max_interval_seconds_for_target"])],
+        "2(target·M − δ)/T": [] if bound is None else [str(bound)],
+    }
+
+
+def table_rows(markdown: str) -> dict[str, str]:
+    rows = {}
+    for match in re.finditer(r"^\| [^|]+ \| `([^`]+)` \| ([^|]+) \|$", markdown, re.MULTILINE):
+        assert match.group(1) not in rows, f"two rows for {match.group(1)}"
+        rows[match.group(1)] = match.group(2)
+    return rows
+
+
+def run_plan(dst: Path, package: str, *args: str) -> subprocess.CompletedProcess:
+    return run_in(dst, "-m", f"{package}.plan", *args, timeout=120, check=False)
+
+
+@pytest.fixture(scope="module", params=[(name, language) for name in ANSWER_SETS
+                                        for language in ("en", "zh")], ids="-".join)
+def project(request, tmp_path_factory):
+    """A rendered project, its recorded answers, and plan --json for those answers."""
+    name, language = request.param
+    dst = tmp_path_factory.mktemp(f"{name}-{language}")
+    render(dst, **ANSWER_SETS[name], docs_language=language)
+    answers = yaml.safe_load((dst / ".copier-answers.yml").read_text(encoding="utf-8"))
+    package = answers["package_name"]
+    save = repr(answers["checkpoint_save_seconds"])
+    proc = run_plan(dst, package, "--json",
+                    "--mtbi-hours", repr(answers["mtbi_hours"]),
+                    "--step-seconds", repr(answers["step_time_seconds"]),
+                    "--blocking-seconds", save, "--commit-latency-seconds", save,
+                    "--restart-seconds", repr(answers["restart_seconds"]),
+                    "--badput-target-percent", repr(answers["badput_target_percent"]))
+    assert proc.returncode == 0, proc.stderr
+    checklist = (dst / "docs" / "CHECKLIST.md").read_text(encoding="utf-8")
+    return {"dst": dst, "answers": answers, "package": package, "plan": json.loads(proc.stdout),
+            "checklist": checklist, "name": name}
+
+
+def test_checklist_has_no_unrendered_jinja(project):
+    for token in ("{{", "}}", "{%", "%}", "{#", "#}"):
+        assert token not in project["checklist"]
+
+
+def test_checklist_is_in_the_chosen_language(project):
+    has_chinese = re.search(r"[\u4e00-\u9fff]", project["checklist"]) is not None
+    assert has_chinese == (project["answers"]["docs_language"] == "zh")
+
+
+def test_plan_tables_show_plans_numbers(project):
+    rows = table_rows(project["checklist"])
+    expected = expected_rows(project["plan"])
+    assert set(rows) == set(expected)
+    for symbol, numbers in expected.items():
+        assert NUMBER_REGEX.findall(rows[symbol]) == numbers, (symbol, rows[symbol])
+
+
+def test_target_reachability_matches_plan(project):
+    plan, checklist = project["plan"], project["checklist"]
+    unreachable = re.search(r"^\*\*(The .* target cannot be met\.|目标 .* 无法达到。)\*\*(.*)$",
+                            checklist, re.MULTILINE)
+    assert (unreachable is None) == plan["target_reachable"]
+    assert project["name"].endswith("unreachable") == (not plan["target_reachable"])
+    if unreachable is None:
+        return
+    window = plan["target_window_seconds"]
+    if window is None:  # no interval at all: the floor and its parts
+        c = plan["badput_components_percent"]
+        numbers = {f2(plan["min_badput_percent"]), f2(c["restart"]), f2(c["commit_latency"]),
+                   f2(plan["min_saving_and_rework_percent"])}
+    elif window[1] < plan["inputs"]["step_seconds"]:
+        numbers = {f1(window[1])}
+    else:
+        numbers = {f1(window[0]), f1(window[1])}
+    assert set(re.findall(r"\d+\.\d+", unreachable.group(2))) == numbers
+
+
+def test_saving_more_often_misjudgment_uses_plans_numbers(project):
+    plan = project["plan"]
+    line = next(line for line in project["checklist"].splitlines() if line.startswith("1. **"))
+    assert NUMBER_REGEX.findall(line[len("1. "):]) == [
+        str(plan["interval_steps"]), f2(plan["expected_badput_percent"]),
+        str(plan["half_interval_steps"]), f2(plan["badput_percent_at_half_interval"]),
+        str(plan["double_interval_steps"]), f2(plan["badput_percent_at_double_interval"]),
+        str(project["answers"]["keep_last"]),
+    ]
+
+
+def test_every_decimal_in_the_checklist_comes_from_the_plan(project):
+    """A catch-all: any figure with a decimal point is one of plan's, formatted alike.
+
+    The grace-period checks add figures of their own, from the answers.
+    """
+    answers = project["answers"]
+    known = {g(answers["step_time_seconds"] + answers["checkpoint_save_seconds"]),
+             g(answers["grace_period_seconds"])}
+
+    def collect(value):
+        if isinstance(value, dict):
+            for v in value.values():
+                collect(v)
+        elif isinstance(value, list):
+            for v in value:
+                collect(v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            known.update({g(value), f1(value), f2(value), f1(value / 60)})
+
+    collect(project["plan"])
+    decimals = set(re.findall(r"(?<![\w.])\d+\.\d+(?![\w.])", project["checklist"]))
+    assert decimals <= known, decimals - known
+
+
+def test_train_yaml_interval_is_plans(project):
+    config = yaml.safe_load((project["dst"] / "configs" / "train.yaml").read_text())
+    assert config["checkpoint"]["interval_steps"] == project["plan"]["interval_steps"]
+    answers = project["answers"]
+    for key in ("mtbi_hours", "step_time_seconds", "checkpoint_save_seconds", "restart_seconds",
+                "badput_target_percent"):
+        assert config["plan"][key] == answers[key], key
+
+
+def test_plan_without_flags_reads_the_rendered_config(project):
+    proc = run_plan(project["dst"], project["package"], "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == project["plan"]
+
+
+def test_checklist_states_match_the_answers(project):
+    answers, checklist = project["answers"], project["checklist"]
+    boxes = re.findall(r"^- \[([ x])\] \*\*", checklist, re.MULTILINE)
+    # persistent storage, shards + metadata, interval, async, drill, grace period
+    assert len(boxes) == 6
+    directory = answers["checkpoint_dir"]
+    assert (boxes[0] == "x") == bool(re.match(r"(s3|gs|gcs|az|abfs|abfss)://", directory))
+    assert boxes[1:3] == ["x", "x"]
+    assert (boxes[3] == "x") == (answers["async_mode"] != "sync")
+    assert boxes[4] == " "  # the drill is the user's to run
+    grace, needed = answers["grace_period_seconds"], (answers["step_time_seconds"]
+                                                      + answers["checkpoint_save_seconds"])
+    notice = {"aws": 120, "gcp": 30, "azure": 30}.get(answers["cloud"], math.inf)
+    assert (boxes[5] == "x") == (needed <= min(grace, notice))
+    assert "--save-ranks 8 --resume-ranks 4 --out drill-out" in checklist
+
+
+def test_grace_windows_quoted_are_the_generated_files(project):
+    """The checklist quotes torchrun's, Kubernetes' and Slurm's windows as the project sets them."""
+    answers, checklist, dst = project["answers"], project["checklist"], project["dst"]
+    timeout = math.ceil(answers["grace_period_seconds"]) + 30
+    assert f"--shutdown-timeout {timeout}`" in checklist
+    launch = [dst / "launch" / "kubernetes.yaml", dst / "launch" / "slurm.sbatch"]
+    for path, launcher, setting in zip(launch, ("kubernetes", "slurm"),
+                                       (f"terminationGracePeriodSeconds: {timeout}",
+                                        f"--signal=B:USR1@{timeout}")):
+        assert (setting in checklist) == (launcher in answers["launchers"])
+        if launcher in answers["launchers"]:
+            assert setting in path.read_text(encoding="utf-8")
+
+
+def test_write_refreshes_the_rendered_checklist_in_its_language(project, tmp_path):
+    dst, package = project["dst"], project["package"]
+    metrics = tmp_path / "metrics.jsonl"
+    events = [{"event": "start", "step": 0}]
+    events += [{"event": "step", "step": s, "step_time_s": 1.5 + 0.1 * (s % 3)} for s in range(9)]
+    events += [{"event": "save", "step": s, "reason": "interval", "mode": "process",
+                "blocking_s": 0.2 * s, "commit_latency_s": 3.0 * s} for s in (1, 2, 3, 4)]
+    metrics.write_text("".join(json.dumps(e) + "\n" for e in events))
+    path = dst / "docs" / "CHECKLIST.md"
+    before = path.read_text(encoding="utf-8")
+    proc = run_plan(dst, package, "--metrics", str(metrics), "--write", "docs/CHECKLIST.md")
+    assert proc.returncode == 0, proc.stderr
+    after = path.read_text(encoding="utf-8")
+    outside = re.compile(r"(?s)(.*<!-- measured:begin lang=\w+ -->\n).*(<!-- measured:end -->.*)")
+    assert outside.match(before).groups() == outside.match(after).groups()
+    inside = after.split("<!-- measured:begin")[1].split("<!-- measured:end -->")[0]
+    title = "实测数据" if project["answers"]["docs_language"] == "zh" else "Measured in"
+    assert title in inside
+    path.write_text(before, encoding="utf-8")  # leave the module's project as rendered
+
+
+# ------------------------------------------------ copier.yml against plan.py ----
+
+
+def load_plan_module():
+    spec = importlib.util.spec_from_file_location("template_plan", PLAN_PY)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def computed_entries() -> list[tuple[str, object, object]]:
+    """copier.yml's computed plan_* entries, in order: (name, compiled default, cast)."""
+    questions = yaml.safe_load((REPO / "copier.yml").read_text(encoding="utf-8"))
+    env = SandboxedEnvironment()
+    cast = {"float": float, "int": int, "json": json.loads}
+    return [(name, env.from_string(q["default"]), cast[q["type"]])
+            for name, q in questions.items() if name.startswith("plan_")]
+
+
+def render_computed(entries, answers: dict) -> dict:
+    """Evaluate the computed entries the way copier does: render each default, then cast it."""
+    context = dict(answers)
+    for name, template, cast in entries:
+        context[name] = cast(template.render(context))
+    return context
+
+
+def test_copier_yml_formulas_equal_plan_module_on_random_answers():
+    plan = load_plan_module()
+    entries = computed_entries()
+    rng = random.Random(5)
+    kinds = {"reachable": 0, "no window": 0, "window between steps": 0}
+    for k in range(500):
+        answers = {
+            "mtbi_hours": math.exp(rng.uniform(math.log(0.05), math.log(500))),
+            "step_time_seconds": math.exp(rng.uniform(math.log(0.01), math.log(600))),
+            "checkpoint_save_seconds": math.exp(rng.uniform(math.log(0.01), math.log(2000))),
+            "restart_seconds": 0.0 if k % 10 == 0 else rng.uniform(0, 3000),
+            "badput_target_percent": math.exp(rng.uniform(math.log(0.1), math.log(90))),
+        }
+        if k % 9 == 0:  # a save longer than 2M: τ* = M
+            answers["checkpoint_save_seconds"] = answers["mtbi_hours"] * 3600 * rng.uniform(2, 5)
+        elif k % 5 == 0:  # near an answer set whose target window falls between two steps
+            answers.update({key: value * rng.uniform(0.98, 1.02) for key, value in
+                            ANSWER_SETS["between-steps-unreachable"].items()
+                            if key != "launchers"})
+        got = render_computed(entries, answers)
+        d = answers["checkpoint_save_seconds"]
+        p = plan.make_plan(plan.Inputs(answers["mtbi_hours"], answers["step_time_seconds"], d, d,
+                                       answers["restart_seconds"],
+                                       answers["badput_target_percent"]))
+        out = p.to_json()
+        c = out["badput_components_percent"]
+        # Same operations in the same order: equal floats, not merely close ones.
+        assert (got["plan_tau_seconds"], got["plan_interval_steps"], got["plan_badput_percent"]) \
+            == (p.daly_interval_seconds, p.interval_steps, 100 * p.expected_badput), answers
+        window = out["target_window_seconds"] or [None, None]
+        assert got["plan_checklist"] == {
+            "saving_percent": c["saving"], "rework_percent": c["rework"],
+            "commit_latency_percent": c["commit_latency"], "restart_percent": c["restart"],
+            "min_badput_percent": out["min_badput_percent"],
+            "min_saving_and_rework_percent": out["min_saving_and_rework_percent"],
+            "window_low_seconds": window[0], "window_high_seconds": window[1],
+            "max_interval_steps": out["max_interval_steps_for_target"] or 0,
+            "simple_bound_steps": out["simple_bound_max_interval_steps"] or 0,
+            "half_interval_steps": out["half_interval_steps"],
+            "badput_half_percent": out["badput_percent_at_half_interval"],
+            "double_interval_steps": out["double_interval_steps"],
+            "badput_double_percent": out["badput_percent_at_double_interval"],
+        }, answers
+        if p.max_interval_steps is not None:
+            kinds["reachable"] += 1
+        elif p.target_window_seconds is None:
+            kinds["no window"] += 1
+        else:
+            kinds["window between steps"] += 1
+    assert min(kinds.values()) >= 3, kinds
