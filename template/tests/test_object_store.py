@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from conftest import read_metrics, torchrun
 
 fsspec = pytest.importorskip("fsspec")
