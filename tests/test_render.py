@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import tomllib
 import yaml
+
 from conftest import package_of, render, run_in
 
 UNUSUAL = {

@@ -7,8 +7,9 @@ import subprocess
 from pathlib import Path
 
 import yaml
-from conftest import REPO
 from copier import run_copy, run_update
+
+from conftest import REPO
 
 
 def git(cwd: Path, *args: str) -> str:

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, run_module, torchrun
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import read_metrics, run_module, torchrun
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "log.every_steps=4"]
 
