@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -61,3 +68,214 @@ def run_dirs(tmp_path: Path) -> dict[str, str]:
 def package():
     sys.path.insert(0, str(ROOT / "src"))
     return __import__(PACKAGE)
+
+
+# ------------------------------------------------------- long-running jobs --
+
+def project_module(name: str):
+    """Import ``<package>.<name>`` from this project's src/ (e.g. its launch builder)."""
+    src = str(ROOT / "src")
+    if src not in sys.path:
+        sys.path.insert(0, src)
+    return importlib.import_module(f"{PACKAGE}.{name}")
+
+
+def start(module: str, *args: str, log_file: Path, nproc: int | None = None,
+          cwd: Path = ROOT) -> subprocess.Popen:
+    """Start ``python -m <package>.<module> args`` without waiting for it.
+
+    With ``nproc``, start it under torchrun, with the command line built by the project's
+    own ``launch.torchrun_command`` from the same overrides, so that SIGUSR1 is forwarded
+    and the shutdown timeout fits the grace period. The job gets a session of its own, so
+    a test can signal its top process alone, as a scheduler does. stdout and stderr go
+    to ``log_file``.
+    """
+    if nproc is None:
+        cmd = [sys.executable, "-m", f"{PACKAGE}.{module}", *args]
+    else:
+        config = project_module("config").load_config(ROOT / "configs/train.yaml", list(args))
+        cmd = project_module("launch").torchrun_command(module, list(args), config.preemption,
+                                                        nproc_per_node=nproc)
+    with open(log_file, "w", encoding="utf-8") as out:
+        return subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def wait_until(condition, proc: subprocess.Popen, what: str, timeout: float = 180,
+               log_file: Path | None = None):
+    """Poll ``condition()`` until it returns something truthy, and return that.
+
+    Fails if the job exits first or ``timeout`` seconds pass (with the job's log).
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        if proc.poll() is not None:
+            break
+        time.sleep(0.002)
+    log = log_file.read_text(errors="replace")[-6000:] if log_file else ""
+    state = f"exited {proc.returncode}" if proc.poll() is not None else f"still running after {timeout:g} s"
+    raise AssertionError(f"waiting for {what}: job {state}\n{log}")
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> int:
+    """Wait for a started job; if it hangs, stop it (workers included) and fail."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun passes SIGTERM on to its workers (each in a session of its own).
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise AssertionError(f"job did not exit within {timeout:g} s") from None
+
+
+def read_events(log_dir: Path, kind: str) -> list[dict]:
+    """The events of one kind in ``metrics.jsonl`` (empty while the file does not exist)."""
+    path = log_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a line being written right now
+        if event.get("event") == kind:
+            events.append(event)
+    return events
+
+
+# ----------------------------------------------------- fake metadata service --
+
+class FakeMetadata:
+    """A local stand-in for the AWS, GCP and Azure instance metadata services.
+
+    It answers "no notice" until ``notice`` is set, then the notice. Like the real
+    services it refuses requests without their required headers (AWS IMDSv2: 400 for a
+    token request without a TTL, 401 without a valid token; GCP: 403 without
+    ``Metadata-Flavor: Google``; Azure: 400 without ``Metadata: true``), and it records
+    every refusal in ``refused``.
+    """
+
+    VM_NAME = "vm-under-test"
+
+    def __init__(self) -> None:
+        self.notice = threading.Event()
+        self.azure_resources = [self.VM_NAME]   # which VMs an Azure Preempt event names
+        self.refused: list[str] = []
+        self.requests: list[str] = []
+        self.tokens: set[str] = set()
+        self._lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *_args) -> None:  # keep test output clean
+                pass
+
+            def do_PUT(self) -> None:
+                fake._serve(self, "PUT")
+
+            def do_GET(self) -> None:
+                fake._serve(self, "GET")
+
+        # Loopback only: tests never reach any other address.
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
+                                        daemon=True)  # a short poll: quick shutdown
+
+    def _serve(self, handler: BaseHTTPRequestHandler, method: str) -> None:
+        url = urlsplit(handler.path)
+        query = parse_qs(url.query)
+        headers = handler.headers
+        with self._lock:
+            self.requests.append(f"{method} {handler.path}")
+        status, body = 404, b""
+        if method == "PUT" and url.path == "/latest/api/token":
+            if not headers.get("X-aws-ec2-metadata-token-ttl-seconds", "").isdigit():
+                status = 400
+            else:
+                token = uuid.uuid4().hex
+                self.tokens.add(token)
+                status, body = 200, token.encode()
+        elif method == "GET" and url.path == "/latest/meta-data/spot/instance-action":
+            if headers.get("X-aws-ec2-metadata-token") not in self.tokens:
+                status = 401
+            elif self.notice.is_set():
+                status, body = 200, json.dumps(
+                    {"action": "terminate", "time": "2026-11-29T10:00:00Z"}).encode()
+        elif method == "GET" and url.path == "/computeMetadata/v1/instance/preempted":
+            if headers.get("Metadata-Flavor") != "Google":
+                status = 403
+            else:
+                status, body = 200, b"TRUE" if self.notice.is_set() else b"FALSE"
+        elif method == "GET" and url.path.startswith("/metadata/"):
+            if headers.get("Metadata") != "true" or "api-version" not in query:
+                status = 400
+            elif url.path == "/metadata/scheduledevents":
+                events = [{"EventId": "A1", "EventType": "Preempt", "ResourceType": "VirtualMachine",
+                           "Resources": self.azure_resources, "EventStatus": "Scheduled",
+                           "NotBefore": "Sun, 29 Nov 2026 10:00:30 GMT", "Description": "",
+                           "EventSource": "Platform", "DurationInSeconds": -1}]
+                status, body = 200, json.dumps({"DocumentIncarnation": 1, "Events":
+                                                events if self.notice.is_set() else []}).encode()
+            elif url.path == "/metadata/instance/compute/name":
+                status, body = 200, self.VM_NAME.encode()
+        if status in (400, 401, 403):
+            with self._lock:
+                self.refused.append(f"{method} {handler.path} -> {status}")
+        handler.send_response(status)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def metadata_service():
+    """A fake cloud metadata service on 127.0.0.1 (see FakeMetadata)."""
+    fake = FakeMetadata()
+    fake.start()
+    yield fake
+    fake.close()
+
+
+@pytest.fixture
+def closed_port_url() -> str:
+    """An http:// address on 127.0.0.1 where nothing listens (connections are refused)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+# ------------------------------------------------------------------ slow tests --
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true",
+                     help="also run the tests marked slow (several torchrun jobs each)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked slow unless --run-slow is given or -m selects by marker.
+
+    They are skipped, not deselected, so the summary says what did not run and how to run it.
+    """
+    if config.getoption("--run-slow") or config.getoption("-m"):
+        return
+    skip = pytest.mark.skip(reason="slow (several torchrun jobs): run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

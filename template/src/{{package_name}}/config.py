@@ -150,6 +150,10 @@ class PreemptionConfig:
                  "must be in 2..255 (0 means finished, 1 means crashed)", self.exit_code)
         _require(self.poll_interval_s > 0, "preemption.poll_interval_s", "must be > 0",
                  self.poll_interval_s)
+        _require(self.metadata_url == "" or self.metadata_url.startswith(("http://", "https://")),
+                 "preemption.metadata_url",
+                 "must be empty (the cloud's own address) or an http:// or https:// URL",
+                 self.metadata_url)
 
 
 @dataclass

@@ -4,7 +4,8 @@
     python -m <package>.train [key=value ...]          (one process, no torchrun)
 
 Exit status: 0 finished, ``preemption.exit_code`` (75 by default) stopped by a
-preemption signal or notice with the state saved, 2 bad configuration, 1 crashed.
+preemption signal or notice (run again: the newest committed checkpoint holds the
+state), 2 bad configuration, 1 crashed. See docs/PREEMPTION.md.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .config import ConfigError, load_config
 from .data import BatchSizeError
 from .distributed import setup, teardown
 from .metrics import MetricsLog
-from .preemption import PreemptionWatch
+from .preemption import PreemptionWatch, start_notice_poller
 from .trainer import Trainer
 
 EXIT_BAD_CONFIG = 2
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     watch = PreemptionWatch(cfg.preemption.signals)
     watch.install()  # before anything slow, so an early signal is not lost
     runtime = setup(cfg.distributed)
+    # Cloud notices (preemption.notice_source) feed the same watch as signals.
+    poller = start_notice_poller(cfg.preemption, watch, runtime.local_rank)
     metrics = MetricsLog(cfg.log.dir if runtime.is_main else None)
     manager = CheckpointManager(open_storage(cfg.checkpoint.dir), mode=cfg.checkpoint.async_mode,
                                 keep_last=cfg.checkpoint.keep_last,
@@ -71,13 +74,17 @@ def main(argv: list[str] | None = None) -> int:
         outcome = trainer.run()
         manager.close()
         if outcome.status == "preempted":
+            metrics.say(f"exit status {cfg.preemption.exit_code}: preempted, run again to resume")
             return cfg.preemption.exit_code
         metrics.say(f"finished at step {outcome.step}")
         return 0
     finally:
+        if poller is not None:
+            poller.stop()
         metrics.close()
-        watch.uninstall()
         teardown()
+        # Last: a signal that comes while shutting down is only counted, never kills.
+        watch.uninstall()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .checkpoint import CheckpointManager, Committed, SaveResult
@@ -133,9 +134,10 @@ class Trainer:
             "config": to_plain_dict(self.cfg),
         }
 
-    def _save(self, reason: str, *, blocking: bool = False) -> SaveResult | None:
+    def _save(self, reason: str, *, blocking: bool = False,
+              started: float | None = None) -> SaveResult | None:
         return self.manager.save(self.progress.step, self.state(), reason,
-                                 self._commit_record(), blocking=blocking)
+                                 self._commit_record(), blocking=blocking, started=started)
 
     # ------------------------------------------------------------------ step --
     def train_step(self) -> tuple[float, float]:
@@ -180,10 +182,9 @@ class Trainer:
         cfg = self.cfg
         tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
         interval = cfg.checkpoint.interval_steps
-        while self.progress.step < cfg.train.max_steps:
-            stop_at = self._agreed_stop_time()
-            if stop_at is not None:
-                return self._stop_for_preemption(stop_at)
+        # A request that came during start-up (building, resuming) stops before step one.
+        stop_at = self._agreed_stop_time()
+        while stop_at is None and self.progress.step < cfg.train.max_steps:
             began = time.perf_counter()
             loss, grad_norm = self.train_step()
             step_time = time.perf_counter() - began
@@ -192,14 +193,37 @@ class Trainer:
                                step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
                                lr=self.scheduler.get_last_lr()[0])
             self._report(self.manager.poll())
-            if step == cfg.train.max_steps:
-                self._report(self._save("final"))
-            elif step % interval == 0:
-                self._report(self._save("interval"))
+            due = step == cfg.train.max_steps or step % interval == 0
+            save_began = time.perf_counter()
+            if due:
+                self._finish_previous_save()
+            # The step boundary: all ranks vote before a save starts, so that no save
+            # begins after a stop request (its checkpoint process may be dead already).
+            stop_at = self._agreed_stop_time()
+            if stop_at is not None:
+                break
+            if due:
+                reason = "final" if step == cfg.train.max_steps else "interval"
+                self._report(self._save(reason, started=save_began))
             if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
                 self._progress_line(loss, tokens_per_step / step_time)
+        if stop_at is not None:
+            return self._stop_for_preemption(stop_at)
         self._report(self.manager.wait())
         return Outcome("finished", self.progress.step, self.manager.last_committed)
+
+    def _finish_previous_save(self) -> None:
+        """Finish the save still in flight before the next one is due (one at a time).
+
+        Done before the vote, so that a request arriving while waiting stops at this
+        step; a request seen here ends the wait, and the stop drains the save within
+        the grace period instead.
+        """
+        while self.manager.in_flight and self.watch.requested is None:
+            try:
+                self._report(self.manager.wait(timeout=0.1))
+            except TimeoutError:
+                continue
 
     def _agreed_stop_time(self) -> float | None:
         """Wall-clock time of the earliest stop request on any rank, or None."""
@@ -211,36 +235,133 @@ class Trainer:
             earliest = float(tensor.item())
         return None if math.isinf(earliest) else earliest
 
-    def _stop_for_preemption(self, requested_at: float) -> Outcome:
-        """Drain the in-flight save, then commit a final one if the grace period allows."""
-        grace = self.cfg.preemption.grace_period_s
+    def _agreed_source(self) -> tuple[str, int, str, list[int]]:
+        """Source, rank and detail of the earliest request, and every rank's step.
+
+        A collective, run once when stopping: rank 0 logs what reached another rank
+        first, and the steps show that all ranks stopped at the same one.
+        """
         request = self.watch.requested
-        source = request.source if request is not None else "peer rank"
-        step = self.progress.step
-        self.metrics.say(f"stop requested ({source}) at step {step}: finishing the save in "
-                         f"flight, grace period {grace:g} s")
-        self._report(self.manager.wait())
-        last = self.manager.last_committed
-        remaining = grace - (time.time() - requested_at)
-        # The estimate for a blocking save: the slowest commit seen so far in this run.
-        estimate = last.commit_latency_s if last is not None else 0.0
-        wanted = (last is None or last.step != step) and remaining > estimate
-        decision = torch.tensor([1 if (self.runtime.is_main and wanted) else 0])
+        mine = ((request.wall_time, request.source, request.detail) if request is not None
+                else (math.inf, "", "")) + (self.progress.step,)
+        every: list = [mine]
         if self.runtime.world_size > 1:
-            dist.all_reduce(decision, op=dist.ReduceOp.MAX)
+            every = [None] * self.runtime.world_size
+            dist.all_gather_object(every, mine)
+        rank = min(range(len(every)), key=lambda r: every[r][0])
+        return every[rank][1], rank, every[rank][2], [entry[3] for entry in every]
+
+    def _newest_committed_step(self) -> int | None:
+        """The step a restart would resume from (rank 0 knows), or None."""
+        if self.manager.last_committed is not None:
+            return self.manager.last_committed.step
+        return self.resumed_from.step if self.resumed_from is not None else None
+
+    def _save_estimate_s(self) -> float:
+        """How long a final (blocking) save may take: the newest measured write time.
+
+        This run's last commit, else the one resumed from (its commit.json), else 0
+        (unknown: try anyway; a save cut off by the hard kill never counts).
+        """
+        if self.manager.last_committed is not None:
+            return self.manager.last_committed.write_s
+        if self.resumed_from is not None:
+            record = self.resumed_from.record
+            return float(record.get("write_s", record.get("commit_latency_s", 0.0)))
+        return 0.0
+
+    def _final_save_skip_reason(self, step: int, deadline: float, estimate: float,
+                                drain_timed_out: bool) -> str | None:
+        """Why no final checkpoint should be written at ``step`` (rank 0), or None."""
+        newest = self._newest_committed_step()
+        if newest == step:
+            return f"checkpoint at step {step} already committed"
+        if newest is None and step == 0:
+            return "no step trained yet"
+        if drain_timed_out:
+            return "finishing the save in flight used up the grace period"
+        remaining = deadline - time.time()
+        if remaining < estimate:
+            return (f"{remaining:.2f} s of grace left, a save takes about {estimate:.2f} s "
+                    f"(measured)")
+        return None
+
+    def _stop_for_preemption(self, requested_at: float) -> Outcome:
+        """Drain the in-flight save, then commit a final one at this step if the grace allows.
+
+        Time runs from the earliest request on any rank; the deadline is that plus
+        ``preemption.grace_period_s``. The drain gives up at the deadline; a final save
+        that the measured save time says cannot fit is not started, and the newest
+        committed checkpoint stays the one to resume from. Either way nothing torn can
+        count: only a commit makes a checkpoint.
+        """
+        grace = self.cfg.preemption.grace_period_s
+        deadline = requested_at + grace
+        source, source_rank, detail, rank_steps = self._agreed_source()
+        step = self.progress.step
+        in_flight_step = self.manager.in_flight_step
+        what = source + (f" on rank {source_rank}" if self.runtime.world_size > 1 else "")
+        what += f": {detail}" if detail else ""
+        draining = (f", finishing the save of step {in_flight_step} in flight"
+                    if in_flight_step is not None else "")
+        self.metrics.say(f"stop requested ({what}) at step {step}{draining}; "
+                         f"grace period {grace:g} s")
+
+        # 1. Drain: the save in flight commits, or fails (a signal sent to the process group
+        #    also kills DCP's checkpoint process), or is given up at the deadline.
+        drained, drain_timed_out, committed_at = None, False, None
+        try:
+            drained = self.manager.wait(timeout=deadline - time.time())
+        except TimeoutError:
+            self.manager.abandon()  # logs it; the unfinished directory never counts
+            drain_timed_out = True
+        if drained is not None:
+            committed_at = time.time()
+            self._report(drained)
+
+        # 2. Final save at this step, decided by rank 0 (it alone knows what committed) so
+        #    that every rank joins the same collective save or none does.
+        estimate = self._save_estimate_s()
+        skip = self._final_save_skip_reason(step, deadline, estimate, drain_timed_out)
+        decision = torch.tensor([1 if skip is None else 0])
+        if self.runtime.world_size > 1:
+            dist.broadcast(decision, src=0)
         final = None
         if bool(decision.item()):
-            final = self._save("preemption", blocking=True)
-            self._report(final)
-        elif self.runtime.is_main and (last is None or last.step != step):
-            self.metrics.say(f"no final checkpoint: {remaining:.1f} s of grace left, a save "
-                             f"takes about {estimate:.1f} s; the newest committed one stays")
-        elapsed = time.time() - requested_at
-        self.metrics.event("preemption", source=source, stop_step=step,
-                           final_checkpoint_step=final.step if final else None,
-                           signal_to_commit_s=elapsed if final else None,
-                           grace_left_s=grace - elapsed, signals_received=self.watch.count)
-        self.metrics.say(f"stopped at step {step}; {grace - elapsed:.1f} s of grace left")
+            try:
+                final = self._save("preemption", blocking=True)
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - still exit as preempted
+                log.error("final checkpoint at step %d failed: %s", step, exc)
+                skip = f"final save failed: {exc}"
+            if final is not None:
+                committed_at = time.time()
+                self._report(final)
+
+        finished = time.time()
+        to_commit = committed_at - requested_at if committed_at is not None else None
+        grace_left = deadline - finished
+        resume_step = self._newest_committed_step()
+        self.metrics.event(
+            "preemption", source=source, source_rank=source_rank, detail=detail,
+            stop_step=step, rank_stop_steps=rank_steps, in_flight_step=in_flight_step,
+            drained_step=drained.step if drained is not None else None,
+            final_checkpoint_step=final.step if final is not None else None,
+            final_save_skipped_reason=skip if final is None else None,
+            save_estimate_s=estimate, signal_to_commit_s=to_commit,
+            grace_period_s=grace, grace_left_s=grace_left, resume_step=resume_step,
+            signals_received=self.watch.count)
+        if final is not None:
+            outcome = f"checkpoint step {step} committed {to_commit:.2f} s after the request"
+        else:
+            outcome = (f"no final checkpoint ({skip}); a restart resumes from "
+                       f"{'step ' + str(resume_step) if resume_step is not None else 'scratch'}")
+        left = (f"{grace_left:.1f} s of grace left" if grace_left >= 0
+                else f"{-grace_left:.2f} s past the grace period")
+        self.metrics.say(f"stopped at step {step}: {outcome}; {left}")
+        if self.runtime.is_main and to_commit is not None and to_commit > grace:
+            log.warning("the last commit came %.1f s after the request, past the %g s grace "
+                        "period: where the platform kills on time it would have been lost",
+                        to_commit, grace)
         return Outcome("preempted", step, self.manager.last_committed)
 
     # ------------------------------------------------------------- reporting --
@@ -249,7 +370,7 @@ class Trainer:
             return
         self.metrics.event("save", step=result.step, reason=result.reason, mode=result.mode,
                            blocking_s=result.blocking_s, commit_latency_s=result.commit_latency_s,
-                           path=result.path, removed=result.removed)
+                           write_s=result.write_s, path=result.path, removed=result.removed)
         self.metrics.say(f"checkpoint step {result.step} committed ({result.reason}, "
                          f"{result.mode}): blocking {result.blocking_s:.3f} s, committed "
                          f"{result.commit_latency_s:.2f} s after the save began")

@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 
 from ..config import AsyncMode
 from . import layout
-from .storage import LocalStorage
+from .storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,10 @@ class SaveResult:
     commit_latency_s: float
     path: str
     removed: list[str] = field(default_factory=list)
+    # Seconds the write itself took (from handing the state to DCP, after any wait for
+    # the previous save, until every shard and .metadata were written): what a blocking
+    # save at preemption is expected to need.
+    write_s: float = 0.0
 
 
 @dataclass
@@ -52,12 +57,14 @@ class _InFlight:
     blocking_s: float
     upload: Future
     staging: Future | None
+    handed_off: float = 0.0           # perf_counter() when DCP got the state
+    written: float | None = None      # perf_counter() when the upload finished
 
 
 class CheckpointManager:
     """Saves, commits, retires and loads checkpoints under one root."""
 
-    def __init__(self, storage: LocalStorage, *, mode: AsyncMode, keep_last: int,
+    def __init__(self, storage: Storage, *, mode: AsyncMode, keep_last: int,
                  is_coordinator: bool, device: torch.device) -> None:
         self.storage = storage
         self.mode = AsyncMode(mode)
@@ -74,6 +81,13 @@ class CheckpointManager:
             self._stager = DefaultStager(StagingOptions(
                 use_pinned_memory=on_gpu, use_shared_memory=True,
                 use_async_staging=True, use_non_blocking_copy=on_gpu))
+        # A thread-mode save runs DCP's collectives in a background thread; on the default
+        # group they would interleave with the training loop's own collectives and could
+        # pair up wrongly across ranks. Its own gloo group keeps the two streams apart
+        # (the process mode's checkpoint process makes its own group).
+        self._group = None
+        if self.mode == AsyncMode.thread and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
         self._inflight: _InFlight | None = None
         self.last_committed: SaveResult | None = None
         self.failed_saves = 0
@@ -98,34 +112,44 @@ class CheckpointManager:
     def in_flight(self) -> bool:
         return self._inflight is not None
 
+    @property
+    def in_flight_step(self) -> int | None:
+        return self._inflight.step if self._inflight is not None else None
+
     def save(self, step: int, state: dict[str, Any], reason: str, record: dict[str, Any],
-             *, blocking: bool = False) -> SaveResult | None:
+             *, blocking: bool = False, started: float | None = None) -> SaveResult | None:
         """Start a save of ``state`` at ``step``.
 
         A save still in flight is finished (and committed) first: never two at once,
         and the staging buffers are reused. Returns the result of whichever save
         committed during the call. ``blocking`` writes synchronously whatever the mode
         (the last save before exiting: the background process may already be gone).
+        ``started`` (a ``time.perf_counter()`` value) backdates the start for a caller
+        that finished the previous save itself, so that its blocking time still counts.
         """
-        started = time.perf_counter()
+        started = time.perf_counter() if started is None else started
         previous = self.wait()
+        handed_off = time.perf_counter()
         writer = self.storage.writer(layout.staging_name(step, self.storage))
         if blocking or self.mode == AsyncMode.sync:
             dcp.save(state, storage_writer=writer, planner=self._planner)
-            elapsed = time.perf_counter() - started
-            self._inflight = _InFlight(step, reason, record, started, elapsed,
-                                       _done_future(), None)
+            written = time.perf_counter()
+            self._inflight = _InFlight(step, reason, record, started, written - started,
+                                       _done_future(), None, handed_off, written)
             return self._finish(mode=AsyncMode.sync) or previous
         kind = (AsyncCheckpointerType.PROCESS if self.mode == AsyncMode.process
                 else AsyncCheckpointerType.THREAD)
         response = dcp.async_save(state, storage_writer=writer, planner=self._planner,
-                                  async_checkpointer_type=kind, async_stager=self._stager)
+                                  async_checkpointer_type=kind, async_stager=self._stager,
+                                  process_group=self._group)
         if isinstance(response, AsyncSaveResponse):
             upload, staging = response.upload_completion, response.staging_completion
         else:
             upload, staging = response, None
-        self._inflight = _InFlight(step, reason, record, started,
-                                   time.perf_counter() - started, upload, staging)
+        inflight = _InFlight(step, reason, record, started, time.perf_counter() - started,
+                             upload, staging, handed_off)
+        upload.add_done_callback(lambda _: setattr(inflight, "written", time.perf_counter()))
+        self._inflight = inflight
         return previous
 
     def wait_staged(self) -> None:
@@ -143,13 +167,38 @@ class CheckpointManager:
             return self._finish()
         return None
 
-    def wait(self) -> SaveResult | None:
-        """Block until the in-flight save (if any) is written, then commit it."""
+    def wait(self, timeout: float | None = None) -> SaveResult | None:
+        """Block until the in-flight save (if any) is written, then commit it.
+
+        With ``timeout`` (seconds), raise TimeoutError if it is not written by then; the
+        save stays in flight (``abandon`` drops it). Preemption uses this to keep the
+        drain inside the grace period.
+        """
         if self._inflight is None:
             return None
+        if timeout is not None:
+            pending = [f for f in (self._inflight.staging, self._inflight.upload) if f is not None]
+            _, not_done = futures.wait(pending, timeout=max(0.0, timeout))
+            if not_done:
+                raise TimeoutError(f"the save of step {self._inflight.step} was not written "
+                                   f"within {max(0.0, timeout):.1f} s")
         self.wait_staged()
         futures.wait([self._inflight.upload])  # errors are reported by _finish
         return self._finish()
+
+    def abandon(self) -> int | None:
+        """Forget the in-flight save without committing it; returns its step.
+
+        Its directory stays unfinished (never a checkpoint) and ``prepare`` removes it
+        at the next start. A background writer may still be running; nothing waits for it.
+        """
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return None
+        self.failed_saves += 1
+        log.warning("checkpoint save at step %d abandoned unfinished; the previous checkpoint "
+                    "stays the newest", inflight.step)
+        return inflight.step
 
     def _finish(self, mode: AsyncMode | None = None) -> SaveResult | None:
         inflight, self._inflight = self._inflight, None
@@ -164,6 +213,7 @@ class CheckpointManager:
         if not self.is_coordinator:
             return None
         latency = time.perf_counter() - inflight.started
+        write_s = (inflight.written or time.perf_counter()) - inflight.handed_off
         record = {
             **inflight.record,
             "reason": inflight.reason,
@@ -171,13 +221,14 @@ class CheckpointManager:
             "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "blocking_s": round(inflight.blocking_s, 6),
             "commit_latency_s": round(latency, 6),
+            "write_s": round(write_s, 6),
             "torch_version": torch.__version__,
         }
         committed = layout.commit(self.storage, inflight.step, record)
         removed = layout.retire_old(self.storage, self.keep_last)
         result = SaveResult(inflight.step, inflight.reason, (mode or self.mode).value,
                             inflight.blocking_s,
-                            latency, committed.path, removed)
+                            latency, committed.path, removed, write_s)
         self.last_committed = result
         return result
 
