@@ -23,15 +23,15 @@ test: venv
 lint: venv
 	$(VENV)/bin/ruff check tests template --exclude '*.jinja'
 
-# The demo trains 12 steps on 2 CPU ranks (checkpoints at 4, 8 and 12), then runs the
-# same command with a larger step budget: it resumes from step 12 instead of step 0.
+# The demo renders the template with defaults and runs the interruption drill on CPU:
+# an uninterrupted 2-rank run, the same run killed with SIGKILL after the checkpoint of
+# step 12, a resume on 1 rank, and a step-by-step comparison; then prints the report.
 demo: venv
 	rm -rf $(DEMO)
 	$(VENV)/bin/copier copy --defaults --quiet . $(DEMO)
-	cd $(DEMO) && PYTHONPATH=src $(abspath $(PY)) -m torch.distributed.run --standalone \
-		--nproc-per-node 2 -m my_run.train train.max_steps=12 checkpoint.interval_steps=4 log.every_steps=4
-	cd $(DEMO) && PYTHONPATH=src $(abspath $(PY)) -m torch.distributed.run --standalone \
-		--nproc-per-node 2 -m my_run.train train.max_steps=20 checkpoint.interval_steps=4 log.every_steps=4
+	cd $(DEMO) && PYTHONPATH=src $(abspath $(PY)) -m my_run.drill --save-ranks 2 \
+		--resume-ranks 1 --out drill; status=$$?; \
+		[ -f drill/report.md ] && cat drill/report.md; exit $$status
 
 clean:
 	rm -rf $(VENV) .scratch

@@ -89,7 +89,8 @@ def test_launch_files_follow_the_answers(tmp_path, default_project):
 
 @pytest.mark.slow
 def test_default_project_own_test_suite_passes(default_project):
-    proc = run_in(default_project, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider")
+    proc = run_in(default_project, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                  "--run-slow")
     assert " passed" in proc.stdout
 
 
