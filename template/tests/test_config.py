@@ -46,7 +46,7 @@ def test_train_cli_reports_bad_config_with_exit_2(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("command", ["train"])
+@pytest.mark.parametrize("command", ["train", "resume", "drill", "plan", "bench"])
 def test_commands_answer_help(command):
     proc = run_module(command, "--help")
     assert "usage" in proc.stdout.lower()
