@@ -11,10 +11,14 @@ DEMO   ?= .scratch/demo
 
 venv: $(VENV)/.installed
 
+# torch first and on its own: the pinned release is the CPU build this machine class
+# serves from a local file. pip is left as the system ships it (a newer pip was seen to
+# pick the multi-GB CUDA build of the same version instead).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -c "import torch; print('torch', torch.__version__)"
 	touch $@
 
 test: venv
