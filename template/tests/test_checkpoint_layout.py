@@ -3,6 +3,8 @@
 import json
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 
 @pytest.fixture
@@ -13,12 +15,9 @@ def ckpt(package):
 
 
 def fake_save(root, layout, step, storage):
-    """What DCP leaves behind: shards and a metadata file in the staging directory."""
-    work = root / layout.staging_name(step, storage)
-    work.mkdir(parents=True)
-    (work / ".metadata").write_bytes(b"m" * 100)
-    (work / "__0_0.distcp").write_bytes(b"0" * 1000)
-    (work / "__1_0.distcp").write_bytes(b"1" * 900)
+    """A real (one-process) DCP save into the staging directory: a shard and .metadata."""
+    work = layout.staging_name(step, storage)
+    dcp.save({"w": torch.arange(250.0)}, storage_writer=storage.writer(work), no_dist=True)
 
 
 def committed_steps(layout, storage):
@@ -33,7 +32,8 @@ def test_commit_writes_commit_file_last_and_renames_into_place(tmp_path, ckpt):
     layout.commit(storage, 5, {"world_size": 2, "reason": "interval"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000005"]
     record = json.loads((tmp_path / "step_000000005" / "commit.json").read_text())
-    assert record["step"] == 5 and record["files"]["__0_0.distcp"] == 1000
+    shard = tmp_path / "step_000000005" / "__0_0.distcp"
+    assert record["step"] == 5 and record["files"]["__0_0.distcp"] == shard.stat().st_size
     assert committed_steps(layout, storage) == [5]
 
 
@@ -58,7 +58,7 @@ def test_missing_shard_makes_a_checkpoint_incomplete(tmp_path, ckpt):
     storage = storage_mod.LocalStorage(tmp_path)
     fake_save(tmp_path, layout, 1, storage)
     layout.commit(storage, 1, {"world_size": 2})
-    (tmp_path / "step_000000001" / "__1_0.distcp").unlink()
+    (tmp_path / "step_000000001" / "__0_0.distcp").unlink()
     assert layout.newest_complete_checkpoint(storage) is None
 
 
@@ -93,3 +93,30 @@ def test_commit_refuses_a_save_without_metadata(tmp_path, ckpt):
     with pytest.raises(RuntimeError, match=".metadata is missing"):
         layout.commit(storage, 2, {"world_size": 1})
     assert committed_steps(layout, storage) == []
+
+
+def test_commit_refuses_shards_that_rank_0_cannot_see(tmp_path, ckpt):
+    """A checkpoint dir on node-local disks: rank 0 sees only its own node's shards."""
+    layout, storage_mod = ckpt
+    storage = storage_mod.LocalStorage(tmp_path)
+    fake_save(tmp_path, layout, 3, storage)
+    (tmp_path / "step_000000003.tmp" / "__0_0.distcp").unlink()
+    with pytest.raises(RuntimeError, match="all ranks share"):
+        layout.commit(storage, 3, {"world_size": 1})
+    assert committed_steps(layout, storage) == []
+
+
+def test_make_room_clears_an_unfinished_attempt(tmp_path, ckpt):
+    layout, storage_mod = ckpt
+    storage = storage_mod.LocalStorage(tmp_path)
+    fake_save(tmp_path, layout, 9, storage)             # an attempt that never committed
+    layout.make_room(storage, 9)
+    assert list((tmp_path / "step_000000009.tmp").iterdir()) == []
+
+
+def test_commit_file_without_world_size_does_not_count(tmp_path, ckpt):
+    layout, storage_mod = ckpt
+    storage = storage_mod.LocalStorage(tmp_path)
+    fake_save(tmp_path, layout, 2, storage)
+    layout.commit(storage, 2, {"world_size": "two"})
+    assert layout.newest_complete_checkpoint(storage) is None

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from conftest import read_metrics, torchrun
 
@@ -32,8 +34,9 @@ def memory_store(ckpt, request):
 
 
 def fake_save(store, step):
-    for name, size in ((".metadata", 100), ("__0_0.distcp", 1000), ("__1_0.distcp", 900)):
-        store.fs.pipe_file(f"{store._key(f'step_{step:09d}')}/{name}", b"x" * size)
+    """A real (one-process) DCP save straight into step_<n>/, as on an object store."""
+    dcp.save({"w": torch.arange(250.0)}, storage_writer=store.writer(f"step_{step:09d}"),
+             no_dist=True)
 
 
 def test_object_store_commit_needs_no_rename(ckpt, memory_store):
@@ -61,7 +64,7 @@ def test_object_store_truncated_shard_is_skipped(ckpt, memory_store):
     for step in (1, 2):
         fake_save(memory_store, step)
         layout.commit(memory_store, step, {"world_size": 2})
-    memory_store.fs.pipe_file(memory_store._key("step_000000002/__1_0.distcp"), b"short")
+    memory_store.fs.pipe_file(memory_store._key("step_000000002/__0_0.distcp"), b"short")
     assert layout.newest_complete_checkpoint(memory_store).step == 1
 
 
@@ -98,3 +101,13 @@ def test_two_ranks_save_to_s3_and_resume(s3_bucket, tmp_path):
     torchrun(2, "train", "train.max_steps=10", *args)
     starts = [e for e in read_metrics(Path(logs)) if e["event"] == "start"]
     assert [s["step"] for s in starts] == [0, 8]
+
+
+def test_object_store_resave_of_a_step_drops_its_old_commit_first(ckpt, memory_store):
+    """Shards of a new save must never sit under an old commit.json that vouches for them."""
+    layout, _ = ckpt
+    fake_save(memory_store, 6)
+    layout.commit(memory_store, 6, {"world_size": 1})
+    layout.make_room(memory_store, 6)
+    assert memory_store.size("step_000000006/commit.json") is None
+    assert layout.newest_complete_checkpoint(memory_store) is None

@@ -155,9 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeats + 1):  # the first save spawns the checkpoint process
             trainer.progress.step = i + 1
             dist.barrier()
-            trainer._save("interval")
+            trainer.save("interval")
             manager.wait_staged()
             result = manager.wait()
+            if result is None and runtime.is_main:
+                raise RuntimeError("an async save failed during the benchmark (see the log)")
             if i > 0 and runtime.is_main:
                 timings["async_blocking"].append(result.blocking_s)
                 timings["async_commit"].append(result.commit_latency_s)

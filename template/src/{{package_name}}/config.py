@@ -146,8 +146,9 @@ class PreemptionConfig:
                      "cannot include a signal that cannot be caught", name)
         _require(self.grace_period_s > 0, "preemption.grace_period_s", "must be > 0",
                  self.grace_period_s)
-        _require(1 <= self.exit_code <= 255 and self.exit_code != 1, "preemption.exit_code",
-                 "must be in 2..255 (0 means finished, 1 means crashed)", self.exit_code)
+        _require(3 <= self.exit_code <= 127, "preemption.exit_code",
+                 "must be in 3..127 (0 finished, 1 crashed, 2 bad configuration, 128+ killed "
+                 "by a signal)", self.exit_code)
         _require(self.poll_interval_s > 0, "preemption.poll_interval_s", "must be > 0",
                  self.poll_interval_s)
         _require(self.metadata_url == "" or self.metadata_url.startswith(("http://", "https://")),

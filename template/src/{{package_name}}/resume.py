@@ -28,7 +28,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from .checkpoint import Committed, newest_complete_checkpoint, open_storage
 from .checkpoint.storage import Storage
@@ -181,13 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(plan.to_json(), flush=True)
         return 0
-    return supervise(command, storage, checkpoint, cfg.preemption)
+    return supervise(command, storage, checkpoint, cfg.preemption,
+                     Path(cfg.log.dir) / "metrics.jsonl")
 
 
 # ---------------------------------------------------------------- supervise --
 def supervise(command: list[str], storage: Storage, before: Committed | None,
-              preemption: PreemptionConfig) -> int:
+              preemption: PreemptionConfig, metrics_path: Path) -> int:
     """Run torchrun, forward signals to it, and translate its exit status."""
+    launched_at = time.time()
     forwarded: list[str] = []
     pending: list[int] = []
     proc: subprocess.Popen | None = None
@@ -209,17 +213,39 @@ def supervise(command: list[str], storage: Storage, before: Committed | None,
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return exit_status(returncode, storage, before, preemption, forwarded)
+    return exit_status(returncode, storage, before, preemption, forwarded,
+                       stopped_by_notice=preemption_logged_since(metrics_path, launched_at))
+
+
+def preemption_logged_since(metrics_path: Path, since: float) -> bool:
+    """Whether training logged a preemption stop after ``since`` (e.g. a cloud notice
+    that needed no new checkpoint because the newest one was already at that step)."""
+    try:
+        lines = metrics_path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return False
+    for line in reversed(lines):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a kill
+        if event.get("time", 0) < since:
+            return False
+        if event.get("event") == "preemption":
+            return True
+    return False
 
 
 def exit_status(returncode: int, storage: Storage, before: Committed | None,
-                preemption: PreemptionConfig, forwarded: list[str]) -> int:
+                preemption: PreemptionConfig, forwarded: list[str],
+                stopped_by_notice: bool = False) -> int:
     """0, ``preemption.exit_code`` when the run was preempted, else torchrun's status.
 
     torchrun exits 1 after any signal, even when the workers saved and stopped cleanly,
     so its status alone cannot tell a preemption from a crash. A run was preempted when
-    a checkpoint with reason "preemption" committed during this launch, or when this
-    process itself received (and forwarded) one of ``preemption.signals``.
+    a checkpoint with reason "preemption" committed during this launch, when this
+    process itself received (and forwarded) one of ``preemption.signals``, or when
+    training logged a preemption stop during this launch.
     """
     if returncode == 0:
         return 0
@@ -228,9 +254,10 @@ def exit_status(returncode: int, storage: Storage, before: Committed | None,
                            and (before is None or (after.name, after.record)
                                 != (before.name, before.record)))
     signalled = [name for name in forwarded if name in preemption.signals]
-    if new_preemption_save or signalled:
+    if new_preemption_save or signalled or stopped_by_notice:
         why = (f"checkpoint step {after.step} committed on preemption" if new_preemption_save
-               else f"{signalled[0]} received")
+               else f"{signalled[0]} received" if signalled
+               else "training logged a preemption stop")
         print(f"resume: preempted ({why}); exit {preemption.exit_code}: run resume again",
               file=sys.stderr, flush=True)
         return preemption.exit_code

@@ -14,6 +14,8 @@ import argparse
 import logging
 import sys
 
+import torch.distributed as dist
+
 from .checkpoint import CheckpointManager, open_storage
 from .config import ConfigError, load_config
 from .data import BatchSizeError
@@ -73,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             f"checkpoints every {cfg.checkpoint.interval_steps} steps to {cfg.checkpoint.dir}")
         outcome = trainer.run()
         manager.close()
+        # Rank 0 commits after the others are done writing: nobody leaves before it has,
+        # or a launcher that ends the job on the first exit could cut the commit off.
+        if runtime.world_size > 1:
+            dist.barrier()
         if outcome.status == "preempted":
             metrics.say(f"exit status {cfg.preemption.exit_code}: preempted, run again to resume")
             return cfg.preemption.exit_code

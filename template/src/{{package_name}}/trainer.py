@@ -91,6 +91,7 @@ class Trainer:
                                           train.seed)
         self.progress = Progress()
         self.resumed_from: Committed | None = None
+        self._saving_synchronously = False
         torch.manual_seed(rank_seed(train.seed, 0, runtime.rank))
 
     # ------------------------------------------------------------ checkpoint --
@@ -112,21 +113,26 @@ class Trainer:
         checkpoint = found[0]
         if checkpoint is None:
             return None
-        same_world = checkpoint.world_size == self.runtime.world_size
-        # RNG streams belong to ranks: they only carry over when the ranks do.
-        self.manager.load(self.state(with_rng=same_world), checkpoint)
-        if not same_world:
+        # RNG streams belong to ranks on one kind of device: they only carry over when
+        # the ranks and the device kind do (a CPU save holds no CUDA generator state).
+        saved_device = checkpoint.record.get("device_type", "cpu")
+        same_streams = (checkpoint.world_size == self.runtime.world_size
+                        and saved_device == self.runtime.device.type)
+        self.manager.load(self.state(with_rng=same_streams), checkpoint)
+        if not same_streams:
             torch.manual_seed(rank_seed(self.cfg.train.seed, self.progress.step,
                                         self.runtime.rank))
             self.metrics.say(
-                f"notice: checkpoint saved on {checkpoint.world_size} ranks, resuming on "
-                f"{self.runtime.world_size}: random streams reseeded from (seed, step, rank)")
+                f"notice: checkpoint saved on {checkpoint.world_size} {saved_device} rank(s), "
+                f"resuming on {self.runtime.world_size} {self.runtime.device.type} rank(s): "
+                "random streams reseeded from (seed, step, rank)")
         self.resumed_from = checkpoint
         return checkpoint
 
     def _commit_record(self) -> dict[str, Any]:
         return {
             "world_size": self.runtime.world_size,
+            "device_type": self.runtime.device.type,
             "global_batch_size": self.batches.global_batch_size,
             "micro_batch_size": self.batches.micro_batch_size,
             "grad_accum_steps": self.batches.grad_accum_steps,
@@ -134,8 +140,9 @@ class Trainer:
             "config": to_plain_dict(self.cfg),
         }
 
-    def _save(self, reason: str, *, blocking: bool = False,
-              started: float | None = None) -> SaveResult | None:
+    def save(self, reason: str, *, blocking: bool = False,
+             started: float | None = None) -> SaveResult | None:
+        """Hand the current state to the checkpoint manager (see CheckpointManager.save)."""
         return self.manager.save(self.progress.step, self.state(), reason,
                                  self._commit_record(), blocking=blocking, started=started)
 
@@ -183,7 +190,7 @@ class Trainer:
         tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
         interval = cfg.checkpoint.interval_steps
         # A request that came during start-up (building, resuming) stops before step one.
-        stop_at = self._agreed_stop_time()
+        stop_at, _ = self._vote()
         while stop_at is None and self.progress.step < cfg.train.max_steps:
             began = time.perf_counter()
             loss, grad_norm = self.train_step()
@@ -199,12 +206,20 @@ class Trainer:
                 self._finish_previous_save()
             # The step boundary: all ranks vote before a save starts, so that no save
             # begins after a stop request (its checkpoint process may be dead already).
-            stop_at = self._agreed_stop_time()
+            stop_at, saves_failed = self._vote()
             if stop_at is not None:
                 break
             if due:
                 reason = "final" if step == cfg.train.max_steps else "interval"
-                self._report(self._save(reason, started=save_began))
+                if saves_failed and not self._saving_synchronously:
+                    # e.g. DCP's checkpoint process died: it is never restarted, so keep
+                    # checkpoints coming the slow, dependable way.
+                    self._saving_synchronously = True
+                    self.metrics.say("a background save failed: saving synchronously from now on")
+                    self.metrics.event("save_mode_changed", step=step, mode="sync",
+                                       reason="a background save failed")
+                self._report(self.save(reason, started=save_began,
+                                        blocking=self._saving_synchronously))
             if step % cfg.log.every_steps == 0 or step == cfg.train.max_steps:
                 self._progress_line(loss, tokens_per_step / step_time)
         if stop_at is not None:
@@ -225,15 +240,20 @@ class Trainer:
             except TimeoutError:
                 continue
 
-    def _agreed_stop_time(self) -> float | None:
-        """Wall-clock time of the earliest stop request on any rank, or None."""
+    def _vote(self) -> tuple[float | None, bool]:
+        """One small all-reduce at a step boundary, so that every rank decides alike.
+
+        Returns the wall-clock time of the earliest stop request on any rank (or None)
+        and whether a save has failed on any rank.
+        """
         request = self.watch.requested
         earliest = request.wall_time if request is not None else math.inf
+        failed = 1.0 if self.manager.failed_saves else 0.0
         if self.runtime.world_size > 1:
-            tensor = torch.tensor([earliest], dtype=torch.float64)
-            dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-            earliest = float(tensor.item())
-        return None if math.isinf(earliest) else earliest
+            tensor = torch.tensor([earliest, -failed], dtype=torch.float64)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN)  # MIN of -failed is -(any failed)
+            earliest, failed = float(tensor[0]), -float(tensor[1])
+        return (None if math.isinf(earliest) else earliest), failed > 0
 
     def _agreed_source(self) -> tuple[str, int, str, list[int]]:
         """Source, rank and detail of the earliest request, and every rank's step.
@@ -320,7 +340,12 @@ class Trainer:
             self._report(drained)
 
         # 2. Final save at this step, decided by rank 0 (it alone knows what committed) so
-        #    that every rank joins the same collective save or none does.
+        #    that every rank joins the same collective save or none does. A drain that ran
+        #    out of time on any rank counts: rank 0 must not plan on time that rank lacks.
+        if self.runtime.world_size > 1:
+            flag = torch.tensor([1 if drain_timed_out else 0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            drain_timed_out = bool(flag.item())
         estimate = self._save_estimate_s()
         skip = self._final_save_skip_reason(step, deadline, estimate, drain_timed_out)
         decision = torch.tensor([1 if skip is None else 0])
@@ -329,7 +354,7 @@ class Trainer:
         final = None
         if bool(decision.item()):
             try:
-                final = self._save("preemption", blocking=True)
+                final = self.save("preemption", blocking=True)
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - still exit as preempted
                 log.error("final checkpoint at step %d failed: %s", step, exc)
                 skip = f"final save failed: {exc}"

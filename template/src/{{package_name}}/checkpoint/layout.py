@@ -55,15 +55,38 @@ class Committed:
         return int(self.record["world_size"])
 
 
+def make_room(storage: Storage, step: int) -> None:
+    """Clear the place a save of ``step`` is about to write to (coordinator, before the save).
+
+    An unfinished earlier attempt must not mix with the new shards; on object stores an
+    earlier committed copy must go too, or its old commit.json would vouch for a
+    half-written new one. Other ranks write only after the coordinator has taken part
+    in planning, so nothing of the new save exists yet.
+    """
+    work = staging_name(step, storage)
+    if work in storage.list_names():
+        _discard(storage, work) if not storage.atomic_rename else storage.remove_tree(work)
+    storage.makedirs(work)
+
+
 def commit(storage: Storage, step: int, record: dict[str, Any]) -> Committed:
     """Seal a finished save: write commit.json last, then move it into place.
 
-    Call only after every rank's shards and the metadata file are written.
+    Call only after every rank's shards and the metadata file are written. Every file
+    that DCP's metadata names must be visible here: a checkpoint directory that is not
+    shared by all ranks (node-local disks) is refused rather than committed incomplete.
     """
     work = staging_name(step, storage)
     files = storage.list_files(work)
     if METADATA_FILE not in files:
         raise RuntimeError(f"cannot commit {work}: {METADATA_FILE} is missing")
+    named = {info.relative_path for info in
+             storage.reader(work).read_metadata().storage_data.values()}
+    missing = sorted(named - files.keys())
+    if missing:
+        raise RuntimeError(
+            f"cannot commit {storage.path(work)}: {', '.join(missing)} not visible to rank 0; "
+            "checkpoint.dir must be storage that all ranks share")
     files.pop(COMMIT_FILE, None)
     record = {**record, "step": step, "format_version": FORMAT_VERSION, "files": files}
     storage.write_text_durable(f"{work}/{COMMIT_FILE}", json.dumps(record, indent=1) + "\n")
@@ -86,6 +109,8 @@ def _verify(storage: Storage, name: str, step: int) -> tuple[dict[str, Any] | No
         return None, f"unreadable {COMMIT_FILE}: {exc}"
     if not isinstance(record, dict) or record.get("step") != step:
         return None, f"{COMMIT_FILE} does not describe step {step}"
+    if not isinstance(record.get("world_size"), int) or record["world_size"] < 1:
+        return None, f"{COMMIT_FILE} has no valid world_size"
     files = record.get("files")
     if not isinstance(files, dict) or METADATA_FILE not in files:
         return None, f"{COMMIT_FILE} lists no {METADATA_FILE}"
@@ -97,26 +122,27 @@ def _verify(storage: Storage, name: str, step: int) -> tuple[dict[str, Any] | No
     return record, ""
 
 
-def list_committed(storage: Storage, *, warn: bool = True) -> list[Committed]:
-    """Every complete checkpoint, oldest first; damaged ones are skipped with a warning."""
-    found = []
-    for name in storage.list_names():
-        match = _NAME.match(name)
-        if not match:
-            continue
-        step = int(match.group(1))
+def _complete_newest_first(storage: Storage, *, warn: bool):
+    """Complete checkpoints, newest first; damaged ones are skipped with a warning."""
+    names = sorted((n for n in storage.list_names() if _NAME.match(n)), reverse=True)
+    for name in names:
+        step = int(_NAME.match(name).group(1))
         record, problem = _verify(storage, name, step)
         if record is None:
             if warn:
                 log.warning("skipping checkpoint %s: %s", storage.path(name), problem)
             continue
-        found.append(Committed(step, name, storage.path(name), record))
-    return sorted(found, key=lambda c: c.step)
+        yield Committed(step, name, storage.path(name), record)
+
+
+def list_committed(storage: Storage, *, warn: bool = True) -> list[Committed]:
+    """Every complete checkpoint, oldest first."""
+    return list(_complete_newest_first(storage, warn=warn))[::-1]
 
 
 def newest_complete_checkpoint(storage: Storage) -> Committed | None:
-    committed = list_committed(storage)
-    return committed[-1] if committed else None
+    """The checkpoint to resume from; older ones are not even read."""
+    return next(_complete_newest_first(storage, warn=True), None)
 
 
 def retire_old(storage: Storage, keep_last: int) -> list[str]:

@@ -77,9 +77,10 @@ class CheckpointManager:
         if self.mode != AsyncMode.sync:
             on_gpu = device.type == "cuda"
             # Pinned memory and non-blocking copies need an accelerator; shared memory
-            # lets the background process read the staged tensors without a copy.
+            # lets the background process read the staged tensors without a copy (a
+            # background thread shares the memory anyway).
             self._stager = DefaultStager(StagingOptions(
-                use_pinned_memory=on_gpu, use_shared_memory=True,
+                use_pinned_memory=on_gpu, use_shared_memory=self.mode == AsyncMode.process,
                 use_async_staging=True, use_non_blocking_copy=on_gpu))
         # A thread-mode save runs DCP's collectives in a background thread; on the default
         # group they would interleave with the training loop's own collectives and could
@@ -129,6 +130,8 @@ class CheckpointManager:
         """
         started = time.perf_counter() if started is None else started
         previous = self.wait()
+        if self.is_coordinator:
+            layout.make_room(self.storage, step)
         handed_off = time.perf_counter()
         writer = self.storage.writer(layout.staging_name(step, self.storage))
         if blocking or self.mode == AsyncMode.sync:
@@ -224,8 +227,18 @@ class CheckpointManager:
             "write_s": round(write_s, 6),
             "torch_version": torch.__version__,
         }
-        committed = layout.commit(self.storage, inflight.step, record)
-        removed = layout.retire_old(self.storage, self.keep_last)
+        try:
+            committed = layout.commit(self.storage, inflight.step, record)
+        except (OSError, RuntimeError) as exc:
+            self.failed_saves += 1
+            log.error("checkpoint of step %d written but not committed, the previous "
+                      "checkpoint stays the newest: %s", inflight.step, exc)
+            return None
+        try:
+            removed = layout.retire_old(self.storage, self.keep_last)
+        except OSError as exc:  # the new checkpoint is safe; old ones just linger
+            log.warning("could not remove old checkpoints: %s", exc)
+            removed = []
         result = SaveResult(inflight.step, inflight.reason, (mode or self.mode).value,
                             inflight.blocking_s,
                             latency, committed.path, removed, write_s)
