@@ -277,11 +277,14 @@ def test_write_refreshes_the_rendered_checklist_in_its_language(project, tmp_pat
 
 
 def load_plan_module():
-    spec = importlib.util.spec_from_file_location("template_plan", PLAN_PY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
+    """template/src/{{package_name}}/plan.py imported as a module of its (unrendered) package."""
+    package_dir = PLAN_PY.parent
+    spec = importlib.util.spec_from_file_location(
+        "template_pkg", package_dir / "__init__.py", submodule_search_locations=[str(package_dir)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = package  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(package)
+    return importlib.import_module("template_pkg.plan")
 
 
 def computed_entries() -> list[tuple[str, object, object]]:

@@ -37,7 +37,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_CONFIG = Path("configs/train.yaml")
+from .config import DEFAULT_CONFIG, ConfigError
+
 END_MARKER = "<!-- measured:end -->"
 # The begin marker carries the checklist's language so that --write can refresh
 # the section in the language the rest of the file is written in.
@@ -733,10 +734,6 @@ FLAGS = {
 
 
 MEASURED_FIELDS = ("step_seconds", "blocking_seconds", "commit_latency_seconds")
-
-
-class ConfigError(ValueError):
-    """The config file cannot be read or has no usable `plan:` section."""
 
 
 @dataclass(frozen=True)

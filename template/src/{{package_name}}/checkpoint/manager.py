@@ -90,6 +90,7 @@ class CheckpointManager:
         if self.mode == AsyncMode.thread and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
         self._inflight: _InFlight | None = None
+        self._abandoned = False
         self.last_committed: SaveResult | None = None
         self.failed_saves = 0
 
@@ -199,6 +200,7 @@ class CheckpointManager:
         if inflight is None:
             return None
         self.failed_saves += 1
+        self._abandoned = True
         log.warning("checkpoint save at step %d abandoned unfinished; the previous checkpoint "
                     "stays the newest", inflight.step)
         return inflight.step
@@ -248,9 +250,11 @@ class CheckpointManager:
     def close(self) -> SaveResult | None:
         """Finish the in-flight save and release the staging buffers."""
         result = self.wait()
-        if self._stager is not None:
+        # An abandoned background writer may still read the staging buffers: leave them
+        # to the process exit rather than free them under it.
+        if self._stager is not None and not self._abandoned:
             self._stager.close()
-            self._stager = None
+        self._stager = None
         return result
 
 
