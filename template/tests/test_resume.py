@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from conftest import PACKAGE, ROOT, read_metrics, run_module, torchrun
 
@@ -218,6 +220,10 @@ for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
 if mode == "save-and-fail":
     commit_preemption_checkpoint()
     sys.exit(1)
+if mode == "notice-no-new-save":       # newest checkpoint already at the stop step
+    with open(root / "metrics.jsonl", "a") as log:
+        log.write('{"event": "preemption", "source": "gcp-notice", "time": %r}\\n' % time.time())
+    sys.exit(1)
 if mode == "crash":
     sys.exit(3)
 if mode == "finish":
@@ -234,9 +240,8 @@ def prepared_checkpoint(root: Path, step: int, reason: str) -> Path:
     """A committed checkpoint made by the commit protocol itself, in ``root/prepared``."""
     layout = project("checkpoint.layout")
     storage = project("checkpoint.storage").LocalStorage(root / "staging")
-    work = root / "staging" / layout.staging_name(step, storage)
-    work.mkdir(parents=True)
-    (work / ".metadata").write_bytes(b"m" * 10)
+    dcp.save({"w": torch.zeros(4)}, storage_writer=storage.writer(
+        layout.staging_name(step, storage)), no_dist=True)
     committed = layout.commit(storage, step, {"world_size": 1, "reason": reason})
     shutil.move(committed.path, root / "prepared")
     return root / "prepared"
@@ -247,6 +252,7 @@ def prepared_checkpoint(root: Path, step: int, reason: str) -> Path:
     ("wait", "SIGUSR1", False, 75),             # preempted, previous checkpoint stays
     ("wait", "SIGINT", False, 1),               # Ctrl-C is not a preemption
     ("save-and-fail", None, False, 75),         # a cloud notice: no signal to resume
+    ("notice-no-new-save", None, False, 75),    # a notice, checkpoint already at that step
     ("crash", None, True, 3),                   # an old preemption checkpoint is not news
     ("finish", None, False, 0),
     ("killed", None, False, 128 + 9),
@@ -270,7 +276,8 @@ def test_resume_forwards_signals_and_tells_preemption_from_failure(
             os.kill(os.getpid(), signal.Signals[sig])
         threading.Thread(target=scheduler, daemon=True).start()
     command = [sys.executable, "-c", FAKE_TORCHRUN, str(tmp_path), mode]
-    code = resume.supervise(command, storage, before, config.PreemptionConfig())
+    code = resume.supervise(command, storage, before, config.PreemptionConfig(),
+                            tmp_path / "metrics.jsonl")
     assert code == expected
     if sig is not None:
         assert (tmp_path / "received").read_text() == sig
