@@ -39,7 +39,7 @@ from pathlib import Path
 from . import drill_report
 from .config import Config, ConfigError, load_config
 from .data import BatchSizeError, plan_batches
-from .launch import torchrun_command
+from .launch import positive_int, torchrun_command
 
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
@@ -269,16 +269,6 @@ def run_drill(drill: Drill) -> dict:
 
 
 # ------------------------------------------------------------- command line --
-def positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (got {value!r})")
-    return number
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=f"python -m {__package__}.drill",

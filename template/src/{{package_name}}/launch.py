@@ -7,6 +7,7 @@ settings, or the final checkpoint is cut off mid-write.
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 
@@ -15,6 +16,17 @@ from .config import PreemptionConfig
 # torchrun's own defaults; kept so that Ctrl-C and hang-ups still reach the workers.
 TORCHRUN_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 SHUTDOWN_MARGIN_S = 30
+
+
+def positive_int(value: str) -> int:
+    """argparse type for counts of processes, nodes and steps."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {value!r})")
+    return number
 
 
 def signals_to_handle(preemption: PreemptionConfig) -> str:

@@ -36,7 +36,7 @@ from .checkpoint import Committed, newest_complete_checkpoint, open_storage
 from .checkpoint.storage import Storage
 from .config import Config, ConfigError, PreemptionConfig, load_config
 from .data import BatchSizeError, plan_batches
-from .launch import torchrun_command
+from .launch import positive_int, torchrun_command
 
 EXIT_BAD_INPUT = 2
 # Forwarded to torchrun even when preemption.signals does not list them: Ctrl-C and the
@@ -99,24 +99,19 @@ def nproc_per_node(value: str) -> int | str:
     if value == "auto":
         return value
     try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer or 'auto' (got {value!r})")
-    return number
-
-
-def positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
+        return positive_int(value)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"must be a positive integer (got {value!r}); elastic ranges such as 1:4 are not "
-            "supported because the batch plan needs a fixed world size")
-    return number
+            f"must be a positive integer or 'auto' (got {value!r})") from None
+
+
+def node_count(value: str) -> int:
+    try:
+        return positive_int(value)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{exc}; elastic ranges such as 1:4 are not supported because the batch plan "
+            "needs a fixed world size") from None
 
 
 def auto_nproc() -> int:
@@ -138,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=nproc_per_node,
                         default="auto", metavar="M|auto",
                         help="processes on this node (default auto: CUDA GPUs, else 1)")
-    parser.add_argument("--nnodes", type=positive_int, default=1, metavar="N",
+    parser.add_argument("--nnodes", type=node_count, default=1, metavar="N",
                         help="number of nodes (default 1); more need --rdzv-endpoint")
     parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
                         metavar="HOST:PORT", help="rendezvous address shared by all nodes")
