@@ -41,11 +41,22 @@ def run_module(module: str, *args: str, cwd: Path = ROOT, timeout: float = 300,
     return proc
 
 
+def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
+    """The project's own torchrun command line (launch.torchrun_command) for these args.
+
+    The preemption settings come from configs/train.yaml with the key=value arguments
+    applied, so signals and the shutdown timeout are what the job would really get.
+    """
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    config = project_module("config").load_config(ROOT / "configs/train.yaml", overrides)
+    return project_module("launch").torchrun_command(module, list(args), config.preemption,
+                                                     nproc_per_node=nproc)
+
+
 def torchrun(nproc: int, module: str, *args: str, cwd: Path = ROOT, timeout: float = 300,
              check: bool = True) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node N -m <package>.<module> args`` on CPU (gloo)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--standalone", "-m", f"{PACKAGE}.{module}", *args]
+    cmd = torchrun_command(module, list(args), nproc)
     proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True,
                           timeout=timeout, check=False)
     if check and proc.returncode != 0:
@@ -93,9 +104,7 @@ def start(module: str, *args: str, log_file: Path, nproc: int | None = None,
     if nproc is None:
         cmd = [sys.executable, "-m", f"{PACKAGE}.{module}", *args]
     else:
-        config = project_module("config").load_config(ROOT / "configs/train.yaml", list(args))
-        cmd = project_module("launch").torchrun_command(module, list(args), config.preemption,
-                                                        nproc_per_node=nproc)
+        cmd = torchrun_command(module, list(args), nproc)
     with open(log_file, "w", encoding="utf-8") as out:
         return subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
