@@ -65,7 +65,10 @@ def make_room(storage: Storage, step: int) -> None:
     """
     work = staging_name(step, storage)
     if work in storage.list_names():
-        _discard(storage, work) if not storage.atomic_rename else storage.remove_tree(work)
+        if storage.atomic_rename:
+            storage.remove_tree(work)   # a .tmp directory: never a checkpoint
+        else:
+            _discard(storage, work)     # commit.json first, then the shards
     storage.makedirs(work)
 
 
