@@ -1,10 +1,10 @@
 """docs/CHECKLIST.md, rendered by copier, shows the numbers the generated `plan` computes.
 
-copier runs no code, so copier.yml repeats the plan's formulas in Jinja for the
-copy-time checklist. These tests hold the two copies together: full renders of
-a few answer sets (English and Chinese, reachable and unreachable targets)
-compared with `python -m <package>.plan --json`, and the copier.yml expressions
-against the plan module on many random answers.
+copier runs no code, so includes/plan.jinja repeats the plan model's formulas in
+Jinja for the copy-time checklist and configs/train.yaml. These tests hold the two
+copies together: full renders of a few answer sets (English and Chinese, reachable
+and unreachable targets) compared with `python -m <package>.plan --json`, and the
+Jinja expressions against the plan_model module on many random answers.
 """
 
 from __future__ import annotations
@@ -20,11 +20,18 @@ from pathlib import Path
 
 import pytest
 import yaml
+from jinja2 import FileSystemLoader
 from jinja2.sandbox import SandboxedEnvironment
 
 from conftest import REPO, render, run_in
 
-PLAN_PY = REPO / "template" / "src" / "{{package_name}}" / "plan.py"
+PACKAGE_DIR = REPO / "template" / "src" / "{{package_name}}"
+PLAN_JINJA = "includes/plan.jinja"
+# Answer -> key in the config's `plan:` section (the answers keep their names for
+# `copier update`; the config spells seconds `_s` like its other keys).
+PLAN_KEYS = {"mtbi_hours": "mtbi_hours", "step_time_seconds": "step_time_s",
+             "checkpoint_save_seconds": "checkpoint_save_s", "restart_seconds": "restart_s",
+             "badput_target_percent": "badput_target_percent"}
 
 ANSWER_SETS = {
     "defaults": {},
@@ -210,9 +217,15 @@ def test_train_yaml_interval_is_plans(project):
     config = yaml.safe_load((project["dst"] / "configs" / "train.yaml").read_text())
     assert config["checkpoint"]["interval_steps"] == project["plan"]["interval_steps"]
     answers = project["answers"]
-    for key in ("mtbi_hours", "step_time_seconds", "checkpoint_save_seconds", "restart_seconds",
-                "badput_target_percent"):
-        assert config["plan"][key] == answers[key], key
+    assert set(config["plan"]) == set(PLAN_KEYS.values())
+    for answer, key in PLAN_KEYS.items():
+        assert config["plan"][key] == answers[answer], key
+
+
+def test_copy_time_jinja_stays_in_the_template_repository(project):
+    assert not (project["dst"] / "includes").exists()
+    questions = yaml.safe_load((REPO / "copier.yml").read_text(encoding="utf-8"))
+    assert not [name for name in questions if name.startswith("plan_")]
 
 
 def test_plan_without_flags_reads_the_rendered_config(project):
@@ -273,40 +286,32 @@ def test_write_refreshes_the_rendered_checklist_in_its_language(project, tmp_pat
     path.write_text(before, encoding="utf-8")  # leave the module's project as rendered
 
 
-# ------------------------------------------------ copier.yml against plan.py ----
+# ------------------------------------------- includes/plan.jinja against plan_model ----
 
 
-def load_plan_module():
-    """template/src/{{package_name}}/plan.py imported as a module of its (unrendered) package."""
-    package_dir = PLAN_PY.parent
+def load_plan_modules():
+    """plan_model and plan_report, imported as modules of the (unrendered) package."""
     spec = importlib.util.spec_from_file_location(
-        "template_pkg", package_dir / "__init__.py", submodule_search_locations=[str(package_dir)])
+        "template_pkg", PACKAGE_DIR / "__init__.py", submodule_search_locations=[str(PACKAGE_DIR)])
     package = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = package  # dataclasses look their module up while the class is made
     spec.loader.exec_module(package)
-    return importlib.import_module("template_pkg.plan")
+    return (importlib.import_module("template_pkg.plan_model"),
+            importlib.import_module("template_pkg.plan_report"))
 
 
-def computed_entries() -> list[tuple[str, object, object]]:
-    """copier.yml's computed plan_* entries, in order: (name, compiled default, cast)."""
-    questions = yaml.safe_load((REPO / "copier.yml").read_text(encoding="utf-8"))
-    env = SandboxedEnvironment()
-    cast = {"float": float, "int": int, "json": json.loads}
-    return [(name, env.from_string(q["default"]), cast[q["type"]])
-            for name, q in questions.items() if name.startswith("plan_")]
+def copy_time_plan():
+    """includes/plan.jinja as copier's templates import it: answers in, its variables out."""
+    # Loader rooted at the template repository and the filters copier adds, as in copier.
+    env = SandboxedEnvironment(loader=FileSystemLoader(str(REPO)),
+                               extensions=["jinja2_ansible_filters.AnsibleCoreFiltersExtension"])
+    template = env.get_template(PLAN_JINJA)
+    return lambda answers: template.make_module(dict(answers))
 
 
-def render_computed(entries, answers: dict) -> dict:
-    """Evaluate the computed entries the way copier does: render each default, then cast it."""
-    context = dict(answers)
-    for name, template, cast in entries:
-        context[name] = cast(template.render(context))
-    return context
-
-
-def test_copier_yml_formulas_equal_plan_module_on_random_answers():
-    plan = load_plan_module()
-    entries = computed_entries()
+def test_copy_time_formulas_equal_plan_model_on_random_answers():
+    plan, report = load_plan_modules()
+    evaluate = copy_time_plan()
     rng = random.Random(5)
     kinds = {"reachable": 0, "no window": 0, "window between steps": 0}
     for k in range(500):
@@ -323,18 +328,18 @@ def test_copier_yml_formulas_equal_plan_module_on_random_answers():
             answers.update({key: value * rng.uniform(0.98, 1.02) for key, value in
                             ANSWER_SETS["between-steps-unreachable"].items()
                             if key != "launchers"})
-        got = render_computed(entries, answers)
+        got = evaluate(answers)
         d = answers["checkpoint_save_seconds"]
         p = plan.make_plan(plan.Inputs(answers["mtbi_hours"], answers["step_time_seconds"], d, d,
                                        answers["restart_seconds"],
                                        answers["badput_target_percent"]))
-        out = p.to_json()
+        out = report.to_json(p)
         c = out["badput_components_percent"]
         # Same operations in the same order: equal floats, not merely close ones.
-        assert (got["plan_tau_seconds"], got["plan_interval_steps"], got["plan_badput_percent"]) \
+        assert (got.tau_seconds, got.interval_steps, got.badput_percent) \
             == (p.daly_interval_seconds, p.interval_steps, 100 * p.expected_badput), answers
         window = out["target_window_seconds"] or [None, None]
-        assert got["plan_checklist"] == {
+        expected = {
             "saving_percent": c["saving"], "rework_percent": c["rework"],
             "commit_latency_percent": c["commit_latency"], "restart_percent": c["restart"],
             "min_badput_percent": out["min_badput_percent"],
@@ -346,7 +351,8 @@ def test_copier_yml_formulas_equal_plan_module_on_random_answers():
             "badput_half_percent": out["badput_percent_at_half_interval"],
             "double_interval_steps": out["double_interval_steps"],
             "badput_double_percent": out["badput_percent_at_double_interval"],
-        }, answers
+        }
+        assert {name: getattr(got, name) for name in expected} == expected, answers
         if p.max_interval_steps is not None:
             kinds["reachable"] += 1
         elif p.target_window_seconds is None:

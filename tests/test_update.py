@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 from copier import run_copy, run_update
 
-from conftest import REPO
+from conftest import REPO, package_of, run_in
 
 
 def git(cwd: Path, *args: str) -> str:
@@ -19,15 +19,70 @@ def git(cwd: Path, *args: str) -> str:
                           text=True).stdout
 
 
+WORKING_TREE_IGNORED = shutil.ignore_patterns(
+    ".git", ".venv", ".scratch", "__pycache__", ".pytest_cache", ".ruff_cache")
+
+
 def snapshot_template(dst: Path) -> Path:
     """A git repository holding the template as it is in the working tree, tagged v1.0.0."""
-    shutil.copytree(REPO, dst, ignore=shutil.ignore_patterns(
-        ".git", ".venv", ".scratch", "__pycache__", ".pytest_cache", ".ruff_cache"))
+    shutil.copytree(REPO, dst, ignore=WORKING_TREE_IGNORED)
     git(dst, "init", "-q")
     git(dst, "add", "-A")
     git(dst, "commit", "-qm", "v1")
     git(dst, "tag", "v1.0.0")
     return dst
+
+
+def committed_then_working_template(dst: Path) -> Path:
+    """The template as committed at HEAD, tagged v1.0.0, then the working tree, v2.0.0."""
+    dst.mkdir()
+    archive = subprocess.run(["git", "archive", "--format=tar", "HEAD"], cwd=REPO, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dst)], input=archive, check=True)
+    git(dst, "init", "-q")
+    git(dst, "add", "-A")
+    git(dst, "commit", "-qm", "v1")
+    git(dst, "tag", "v1.0.0")
+    for path in dst.iterdir():  # v2 is exactly the working tree: removed files go too
+        if path.is_dir() and path.name != ".git":
+            shutil.rmtree(path)
+        elif path.is_file():
+            path.unlink()
+    shutil.copytree(REPO, dst, ignore=WORKING_TREE_IGNORED, dirs_exist_ok=True)
+    git(dst, "add", "-A")
+    git(dst, "commit", "-q", "--allow-empty", "-m", "v2")
+    git(dst, "tag", "v2.0.0")
+    return dst
+
+
+def questions_at(template: Path, ref: str) -> dict[str, dict]:
+    """copier.yml's questions at ``ref`` (those stored in the answers file, not computed ones)."""
+    text = subprocess.run(["git", "show", f"{ref}:copier.yml"], cwd=template, check=True,
+                          capture_output=True, text=True).stdout
+    return {name: spec for name, spec in yaml.safe_load(text).items()
+            if not name.startswith("_") and isinstance(spec, dict)
+            and spec.get("when") is not False}
+
+
+# An answer other than the default for every question.
+NON_DEFAULT_ANSWERS = {
+    "project_name": "Spot Trainer",
+    "package_name": "spot_lab",
+    "description": "Pretraining on spot machines",
+    "docs_language": "zh",
+    "mtbi_hours": 3.5,
+    "step_time_seconds": 0.75,
+    "checkpoint_save_seconds": 22.0,
+    "restart_seconds": 45.0,
+    "badput_target_percent": 7.5,
+    "checkpoint_dir": "s3://bucket/spot",
+    "keep_last": 5,
+    "async_mode": "thread",
+    "grace_period_seconds": 90.0,
+    "cloud": "gcp",
+    "launchers": ["slurm", "kubernetes"],  # in the order of the choices, as copier stores them
+    "parallelism": "ddp",
+}
 
 
 def test_update_merges_template_changes_and_keeps_user_edits(tmp_path):
@@ -59,3 +114,91 @@ def test_update_merges_template_changes_and_keeps_user_edits(tmp_path):
         if path.is_file() and ".git" not in path.parts:
             text = path.read_text(errors="replace")
             assert "<<<<<<<" not in text and ">>>>>>>" not in text, path
+
+
+def test_update_from_the_committed_template_keeps_every_answer(tmp_path):
+    """Renaming or dropping a question would lose the user's answer on `copier update`."""
+    template = committed_then_working_template(tmp_path / "template")
+    questions = questions_at(template, "v1.0.0")
+    assert set(NON_DEFAULT_ANSWERS) == set(questions), \
+        "NON_DEFAULT_ANSWERS must answer every question of the committed copier.yml"
+    for name, value in NON_DEFAULT_ANSWERS.items():
+        assert value != questions[name].get("default"), name
+
+    project = tmp_path / "project"
+    run_copy(str(template), str(project), data=NON_DEFAULT_ANSWERS, defaults=True,
+             vcs_ref="v1.0.0", quiet=True, unsafe=False)
+    git(project, "init", "-q")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "generated")
+
+    run_update(str(project), defaults=True, overwrite=True, quiet=True, unsafe=False)
+
+    answers = yaml.safe_load((project / ".copier-answers.yml").read_text(encoding="utf-8"))
+    assert answers["_commit"] == "v2.0.0"
+    for name, value in NON_DEFAULT_ANSWERS.items():
+        assert answers.get(name) == value, (name, answers.get(name))
+    # The answers reached the files too, under the config's current key names.
+    config = yaml.safe_load((project / "configs/train.yaml").read_text(encoding="utf-8"))
+    assert config["plan"]["mtbi_hours"] == 3.5 and config["plan"]["step_time_s"] == 0.75
+    assert config["checkpoint"]["keep_last"] == 5
+    assert (project / "src/spot_lab").is_dir()
+    for path in project.rglob("*"):
+        if path.is_file() and ".git" not in path.parts:
+            assert path.suffix != ".rej", path
+            text = path.read_text(errors="replace")
+            assert "<<<<<<<" not in text and ">>>>>>>" not in text, path
+
+
+def test_update_keeps_the_users_task_while_the_harness_changes(tmp_path):
+    """The user edits their task, its config and a model module; the next template version
+    changes the trainer, the checkpoint manager and the default task. The update merges
+    with no conflict, the user's task is untouched, and the project still trains."""
+    template = snapshot_template(tmp_path / "template")
+    project = tmp_path / "project"
+    run_copy(str(template), str(project), defaults=True, vcs_ref="v1.0.0", quiet=True)
+    git(project, "init", "-q")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "generated")
+    package = package_of(project)
+    src = project / "src" / package
+
+    task = src / "task.py"
+    users_task = task.read_text().replace(
+        "    return loss, {}",
+        "    accuracy = (logits.argmax(-1) == targets).float().mean()\n"
+        "    return loss, {\"accuracy\": accuracy}")
+    assert users_task != task.read_text()
+    task.write_text(users_task)
+    tiny = src / "models/tiny.py"
+    tiny.write_text(tiny.read_text().replace("nn.GELU()", "nn.SiLU()"))
+    config = project / "configs/train.yaml"
+    config.write_text(config.read_text().replace("  d_model: 64", "  d_model: 48")
+                      .replace("  n_heads: 4", "  n_heads: 6"))
+    git(project, "commit", "-qam", "my task")
+
+    harness = template / "template/src/{{package_name}}"
+    for name, line in (("trainer.py", "# Harness change in 1.1: the loop.\n"),
+                       ("checkpoint/manager.py", "# Harness change in 1.1: the manager.\n"),
+                       ("task.py", "# The default task changed in 1.1.\n")):
+        path = harness / name
+        path.write_text(path.read_text() + "\n" + line)
+    git(template, "commit", "-qam", "v1.1")
+    git(template, "tag", "v1.1.0")
+
+    run_update(str(project), defaults=True, overwrite=True, quiet=True, unsafe=False)
+
+    assert "Harness change in 1.1: the loop." in (src / "trainer.py").read_text()
+    assert "Harness change in 1.1: the manager." in (src / "checkpoint/manager.py").read_text()
+    assert task.read_text() == users_task          # the user's file, never overwritten
+    assert "nn.SiLU()" in tiny.read_text() and "d_model: 48" in config.read_text()
+    for path in project.rglob("*"):
+        if path.is_file() and ".git" not in path.parts:
+            text = path.read_text(errors="replace")
+            assert "<<<<<<<" not in text and ">>>>>>>" not in text, path
+        assert not path.name.endswith(".rej"), path
+
+    proc = run_in(project, "-m", f"{package}.train", "train.max_steps=2", "log.every_steps=1",
+                  "checkpoint.async_mode=sync", f"checkpoint.dir={tmp_path / 'ck'}",
+                  f"log.dir={tmp_path / 'logs'}")
+    assert "finished at step 2" in proc.stdout and "| accuracy " in proc.stdout

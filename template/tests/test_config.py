@@ -21,11 +21,9 @@ def test_defaults_load_and_overrides_apply(config_module):
     ("train.max_steps=0", "train.max_steps"),          # out of range
     ("checkpoint.keep_last=0", "checkpoint.keep_last"),
     ("checkpoint.async_mode=fast", "async_mode"),
-    ("model.d_model=30", "model.d_model"),             # not a multiple of n_heads
     ("train.global_batch_size=15", "train.global_batch_size"),
     ("preemption.signals=[SIGKILL]", "preemption.signals"),
     ("preemption.exit_code=1", "preemption.exit_code"),
-    ("model.dropout=1.5", "model.dropout"),
     ("nokey", "key=value"),
 ])
 def test_bad_values_are_refused_naming_the_key(config_module, override, fragment):
@@ -37,6 +35,28 @@ def test_unknown_key_suggests_the_right_one(config_module):
     with pytest.raises(config_module.ConfigError) as info:
         config_module.load_config(ROOT / "configs/train.yaml", ["train.max_stepz=3"])
     assert "max_steps" in str(info.value)
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("model.d_model=30", "model.d_model must be a multiple of model.n_heads"),
+    ("model.dropout=1.5", "model.dropout"),
+    ("model.widht=3", "model.widht"),                   # unknown key of the task's section
+    ("model.n_layers=abc", "model.n_layers"),
+    ("data.seq_len=1", "data.seq_len"),
+])
+def test_the_tasks_sections_are_checked_by_the_task(tmp_path, override, fragment):
+    """model: and data: belong to task.py, which refuses bad values with the harness's
+    messages: exit 2, the key named, no traceback."""
+    proc = run_module("train", override, f"log.dir={tmp_path}",
+                      f"checkpoint.dir={tmp_path / 'ck'}", check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert fragment in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_harness_accepts_any_key_in_the_tasks_sections(config_module):
+    cfg = config_module.load_config(ROOT / "configs/train.yaml",
+                                    ["model.vocab=50000", "data.shards=[a, b]"])
+    assert cfg.model["vocab"] == 50000 and cfg.data["shards"] == ["a", "b"]
 
 
 def test_train_cli_reports_bad_config_with_exit_2(tmp_path):

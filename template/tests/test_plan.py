@@ -1,4 +1,5 @@
-"""The interval plan: its numbers against an independent computation, and its command line."""
+"""The checkpoint interval plan: its numbers against an independent computation (plan_model),
+its text (plan_report) and its command line (plan)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ DEFAULTS = (8.0, 2.0, 10.0, 10.0, 120.0, 5.0)  # M (h), T, δ, L, R (s), target 
 @pytest.fixture(scope="module")
 def plan(package):
     return importlib.import_module(f"{package.__name__}.plan")
+
+
+@pytest.fixture(scope="module")
+def model(package):
+    return importlib.import_module(f"{package.__name__}.plan_model")
+
+
+@pytest.fixture(scope="module")
+def report(package):
+    return importlib.import_module(f"{package.__name__}.plan_report")
 
 
 @pytest.fixture
@@ -46,7 +57,7 @@ def flags(values=DEFAULTS) -> list[str]:
 
 
 # -------------------------------------------- independent reference model ----
-# Written from the formulas, not from plan.py: math.sqrt, B rearranged over a
+# Written from the formulas, not from plan_model.py: math.sqrt, B rearranged over a
 # common denominator, and the largest interval found by searching the integers
 # instead of solving the quadratic.
 
@@ -161,44 +172,44 @@ def test_json_matches_independent_computation_on_random_inputs(run_plan):
     assert min(seen.values()) >= 5, seen
 
 
-def test_daly_matches_the_paper_example(plan):
+def test_daly_matches_the_paper_example(model):
     # Daly (2006), fig. 3: M = 24 h, δ = 5 min gives an optimum of about 117 min.
-    assert plan.daly_interval(300, 24 * 3600) / 60 == pytest.approx(116.7, abs=0.05)
+    assert model.daly_interval(300, 24 * 3600) / 60 == pytest.approx(116.7, abs=0.05)
     # Young's first-order term alone: √(2 · 300 · 86400) = 7200 s.
-    assert plan.young_interval(300, 24 * 3600) == pytest.approx(7200)
+    assert model.young_interval(300, 24 * 3600) == pytest.approx(7200)
 
 
-def test_save_longer_than_twice_mtbi_uses_mtbi(plan):
-    assert plan.daly_interval(delta=8000, mtbi=3600) == 3600
+def test_save_longer_than_twice_mtbi_uses_mtbi(model):
+    assert model.daly_interval(delta=8000, mtbi=3600) == 3600
 
 
-def test_free_saves_mean_saving_every_step(plan):
-    p = plan.make_plan(plan.Inputs(8, 2, 0, 0, 120, 5))
+def test_free_saves_mean_saving_every_step(model):
+    p = model.make_plan(model.Inputs(8, 2, 0, 0, 120, 5))
     assert p.interval_steps == 1
     assert p.components["saving"] == 0
 
 
-def test_slow_commit_sets_the_shortest_interval(plan):
+def test_slow_commit_sets_the_shortest_interval(model):
     # δ = 1 s but L = 301 s: a save every 300 steps at least, whatever τ* says.
-    p = plan.make_plan(plan.Inputs(mtbi_hours=1, step_seconds=1, blocking_seconds=1,
-                                   commit_latency_seconds=301, restart_seconds=10,
-                                   badput_target_percent=50))
+    p = model.make_plan(model.Inputs(mtbi_hours=1, step_seconds=1, blocking_seconds=1,
+                                     commit_latency_seconds=301, restart_seconds=10,
+                                     badput_target_percent=50))
     assert p.daly_interval_seconds < 300
     assert p.interval_steps == p.shortest_interval_steps == 300
 
 
-def test_unreachable_target_says_why(plan):
+def test_unreachable_target_says_why(model, report):
     # R/M alone is 10 % here, above the 5 % target.
-    p = plan.make_plan(plan.Inputs(1, 2, 10, 10, 360, 5))
+    p = model.make_plan(model.Inputs(1, 2, 10, 10, 360, 5))
     assert p.max_interval_steps is None
-    reason = plan.explain_unreachable(p)
+    reason = report.explain_unreachable(p)
     assert "restart" in reason
     assert f"{100 * p.min_badput:.2f} %" in reason
-    assert plan.explain_unreachable(p, "zh")
+    assert report.explain_unreachable(p, "zh")
 
 
-def test_components_add_up(plan):
-    p = plan.make_plan(plan.Inputs(*DEFAULTS))
+def test_components_add_up(model):
+    p = model.make_plan(model.Inputs(*DEFAULTS))
     assert sum(p.components.values()) == pytest.approx(p.expected_badput, rel=1e-12)
 
 
@@ -241,27 +252,66 @@ def test_errors_and_help_from_a_real_process(tmp_path):
     assert "--badput-target-percent" in run_module("plan", "--help", cwd=tmp_path).stdout
 
 
-def test_text_output_shows_the_plan(run_plan, plan):
+def test_text_output_shows_the_plan(run_plan, model):
     code, out, _ = run_plan(*flags())
-    p = plan.make_plan(plan.Inputs(*DEFAULTS))
+    p = model.make_plan(model.Inputs(*DEFAULTS))
     assert code == 0
     assert f"{p.interval_steps} steps" in out
     assert f"{100 * p.expected_badput:.2f} %" in out
 
 
+PLAN_SECTION = ("plan:\n  mtbi_hours: 8.0\n  step_time_s: 2.0\n  checkpoint_save_s: 10.0\n"
+                "  restart_s: 120.0\n  badput_target_percent: 5.0\n")
+
+
 def test_config_supplies_inputs_and_flags_override_it(run_plan, tmp_path):
     config = tmp_path / "train.yaml"
-    config.write_text("checkpoint:\n  interval_steps: 100\nplan:\n  mtbi_hours: 8.0\n"
-                      "  step_time_seconds: 2.0\n  checkpoint_save_seconds: 10.0\n"
-                      "  restart_seconds: 120.0\n  badput_target_percent: 5.0\n")
+    config.write_text("checkpoint:\n  interval_steps: 100\n" + PLAN_SECTION)
     _, out, _ = run_plan("--config", str(config), "--json")
     _, expected, _ = run_plan(*flags(), "--json")
     assert json.loads(out) == json.loads(expected)
     _, out, _ = run_plan("--config", str(config), "--step-seconds", "4", "--json")
     assert json.loads(out)["inputs"]["step_seconds"] == 4
+    # key=value overrides, as for training.
+    _, out, _ = run_plan("--config", str(config), "--json", "plan.restart_s=300")
+    assert json.loads(out)["inputs"]["restart_seconds"] == 300
     code, _, err = run_plan("--config", str(tmp_path / "nope.yaml"))
     assert code == 2
     assert "--config" in err
+
+
+@pytest.mark.parametrize(("section", "key"), [
+    ("  mtbi_hours: .nan\n", "plan.mtbi_hours"),
+    ("  mtbi_hours: 0\n", "plan.mtbi_hours"),
+    ("  step_time_s: .inf\n", "plan.step_time_s"),
+    ("  step_time_s: -2\n", "plan.step_time_s"),
+    ("  checkpoint_save_s: -1\n", "plan.checkpoint_save_s"),
+    ("  checkpoint_save_s: .inf\n", "plan.checkpoint_save_s"),
+    ("  restart_s: .nan\n", "plan.restart_s"),
+    ("  restart_s: -0.5\n", "plan.restart_s"),
+    ("  badput_target_percent: 100\n", "plan.badput_target_percent"),
+    ("  badput_target_percent: .nan\n", "plan.badput_target_percent"),
+    ("  badput_target_percent: -.inf\n", "plan.badput_target_percent"),
+    ("  step_time_seconds: 2.0\n", "step_time_seconds"),  # the old spelling: an unknown key
+])
+def test_bad_plan_config_names_the_key(run_plan, tmp_path, section, key):
+    config = tmp_path / "train.yaml"
+    config.write_text("plan:\n" + section)
+    code, out, err = run_plan("--config", str(config))
+    assert code == 2
+    assert err.startswith("error: ") and key in err
+    assert "Traceback" not in err
+    assert out == ""
+    if "." in key:  # a range: the message says which values are accepted
+        assert "must be" in err
+
+
+def test_bad_plan_override_names_the_key(run_plan, tmp_path):
+    config = tmp_path / "train.yaml"
+    config.write_text(PLAN_SECTION)
+    code, _, err = run_plan("--config", str(config), "plan.mtbi_hours=inf")
+    assert code == 2
+    assert "plan.mtbi_hours must be a finite number > 0" in err
 
 
 # ------------------------------------------------------------------ metrics ----
@@ -271,7 +321,7 @@ def write_metrics(path, *, warmup=(9.0, 30.0), saves=((0.5, 4.0), (0.7, 5.0), (0
                   step_times=(2.0, 2.4, 1.9, 2.1, 2.2), restart=True, tail=""):
     events = [{"event": "start", "step": 0, "world_size": 2}]
     events += [{"event": "step", "step": i + 1, "loss": 1.0, "grad_norm": 1.0,
-                "step_time_s": t, "tokens_per_s": 1.0, "lr": 0.1} for i, t in enumerate(step_times)]
+                "step_time_s": t, "samples_per_s": 1.0, "lr": 0.1} for i, t in enumerate(step_times)]
     if warmup:
         events.append({"event": "save", "step": 10, "reason": "interval", "mode": "process",
                        "blocking_s": warmup[0], "commit_latency_s": warmup[1]})
@@ -306,9 +356,9 @@ def test_metrics_give_medians_without_warmup_saves(run_plan, tmp_path):
     assert json.loads(again)["inputs"] == got["inputs"]
 
 
-def test_metrics_without_interval_saves_use_all_saves(plan, tmp_path):
+def test_metrics_without_interval_saves_use_all_saves(model, tmp_path):
     metrics = write_metrics(tmp_path / "metrics.jsonl", warmup=None, saves=(), restart=False)
-    measured = plan.read_metrics(metrics)
+    measured = model.read_metrics(metrics)
     assert measured.save_reason == "all"
     # The final save is the run's only save, hence its first: kept, and said to be a warm-up.
     assert measured.save_count == 1

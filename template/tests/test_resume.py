@@ -122,7 +122,7 @@ def test_resume_on_another_world_size_continues_the_run(reference, tmp_path, sav
     proc = resume_from(reference(saved), tmp_path, resumed, "model.dropout=0")
     assert "random streams reseeded" in proc.stdout
     start, after = last_run(tmp_path / "logs")
-    accum = project("data").plan_batches(16, 2, resumed).grad_accum_steps
+    accum = project("sampling").split_global_batch(16, 2, resumed).grad_accum_steps
     assert (start["step"], start["saved_world_size"]) == (RESUME_AT, saved)
     assert (start["world_size"], start["grad_accum_steps"]) == (resumed, accum)
     _, ref = last_run(reference(saved) / "logs")
@@ -386,7 +386,7 @@ def test_drill_two_ranks_to_one(tmp_path):
     assert report["max_rel_loss_diff"] < 1e-4
     assert report["before_kill_max_abs_loss_diff"] == 0       # this machine is deterministic
     assert report["processes_killed"] >= 3                     # torchrun and two workers
-    assert report["resume_seconds"] > 0 and report["tokens_per_s_after"] > 0
+    assert report["resume_seconds"] > 0 and report["samples_per_s_after"] > 0
     assert report["resume_grad_accum_steps"] == 2 * report["saved_grad_accum_steps"]
     assert "PASSED" in (out / "report.md").read_text()
     assert (out / "loss.png").read_bytes().startswith(b"\x89PNG")

@@ -33,11 +33,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from .checkpoint import CheckpointManager, LocalStorage
-from .config import AsyncMode, ConfigError, load_config
-from .distributed import setup, teardown
-from .metrics import MetricsLog
-from .preemption import PreemptionWatch
-from .trainer import Trainer
+from .checkpoint.state import Progress, RankRNG, training_state
+from .config import AsyncMode, Config, ConfigError, load_config
+from .distributed import Runtime, setup, teardown, to_device, wrap_model
+from .task_contract import Task, load_task
 
 
 class CountingPlanner(dcp.DefaultSavePlanner):
@@ -60,11 +59,23 @@ def _timed(fn) -> float:
     return time.perf_counter() - began
 
 
-def _fsync_tree(path: Path) -> None:
-    for file in path.rglob("*"):
-        if file.is_file():
-            with open(file, "rb") as handle:
-                os.fsync(handle.fileno())
+def build_state(cfg: Config, task: Task, runtime: Runtime):
+    """The model and optimizer of this configuration after one optimizer step (so that
+    the optimizer state exists), and the state a checkpoint of them holds."""
+    torch.manual_seed(cfg.train.seed)
+    model = task.build_model(cfg)
+    model = wrap_model(model, task.shard_units(model), cfg.distributed, runtime)
+    optimizer, scheduler = task.build_optimizer(model, cfg)
+    dataset = task.build_data(cfg)
+    samples = [dataset[i % len(dataset)] for i in range(cfg.train.micro_batch_size)]
+    loss, _ = task.loss_and_metrics(model, to_device(task.collate(samples), runtime.device))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    progress = Progress(step=1, samples_consumed=cfg.train.global_batch_size)
+    state = training_state(model, optimizer, scheduler, progress,
+                           RankRNG(runtime.rank, runtime.device))
+    return model, optimizer, progress, state
 
 
 def _local_bytes(state: dict) -> int:
@@ -111,16 +122,18 @@ def main(argv: list[str] | None = None) -> int:
                                     keep_last=1, is_coordinator=runtime.is_main,
                                     device=runtime.device)
         manager.prepare()
-        trainer = Trainer(cfg, runtime, manager, PreemptionWatch([]), MetricsLog(None))
-        trainer.train_step()  # optimizer state exists only after a step
-        state = trainer.state()
+        try:
+            model, optimizer, progress, state = build_state(cfg, load_task(), runtime)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         local_bytes = _local_bytes({k: v.state_dict() for k, v in state.items()})
         say(f"benchmarking {args.repeats} saves per method on {runtime.world_size} rank(s), "
             f"{local_bytes / 2**20:.1f} MiB of state on rank 0, scratch {root}")
 
         def baseline(i: int) -> None:
             full_model, full_optim = get_state_dict(
-                trainer.model, trainer.optimizer,
+                model, optimizer,
                 options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if runtime.is_main:
                 target = root / f"baseline_{i}.pt"
@@ -153,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         cache_hits = CountingPlanner.cache_hits
 
         for i in range(args.repeats + 1):  # the first save spawns the checkpoint process
-            trainer.progress.step = i + 1
+            progress.step = i + 1
             dist.barrier()
-            trainer.save("interval")
+            manager.save(progress.step, state, "interval", {"world_size": runtime.world_size})
             manager.wait_staged()
             result = manager.wait()
             if result is None and runtime.is_main:

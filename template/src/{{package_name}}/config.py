@@ -6,10 +6,13 @@ below catch values of the right type that still make no sense.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -49,7 +52,6 @@ class TrainConfig:
     max_steps: int = 2000
     global_batch_size: int = 16
     micro_batch_size: int = 2
-    seq_len: int = 64
     lr: float = 3e-3
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
@@ -66,7 +68,6 @@ class TrainConfig:
         _require(self.global_batch_size % self.micro_batch_size == 0, "train.global_batch_size",
                  f"must be a multiple of train.micro_batch_size={self.micro_batch_size}",
                  self.global_batch_size)
-        _require(self.seq_len >= 2, "train.seq_len", "must be >= 2", self.seq_len)
         _require(self.lr > 0, "train.lr", "must be > 0", self.lr)
         _require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0", self.warmup_steps)
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]",
@@ -74,35 +75,6 @@ class TrainConfig:
         _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0", self.weight_decay)
         _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)",
                  self.grad_clip)
-
-
-@dataclass
-class ModelConfig:
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        _require(self.d_model >= 1, "model.d_model", "must be >= 1", self.d_model)
-        _require(self.n_layers >= 1, "model.n_layers", "must be >= 1", self.n_layers)
-        _require(self.n_heads >= 1, "model.n_heads", "must be >= 1", self.n_heads)
-        _require(self.d_model % self.n_heads == 0, "model.d_model",
-                 f"must be a multiple of model.n_heads={self.n_heads}", self.d_model)
-        _require(0 <= self.dropout < 1, "model.dropout", "must be in [0, 1)", self.dropout)
-
-
-@dataclass
-class DataConfig:
-    corpus: str = ""
-    corpus_chars: int = 200_000
-
-    def __post_init__(self) -> None:
-        _require(self.corpus_chars >= 1000, "data.corpus_chars", "must be >= 1000",
-                 self.corpus_chars)
-        if self.corpus:
-            _require(Path(self.corpus).is_file(), "data.corpus", "must be an existing file",
-                     self.corpus)
 
 
 @dataclass
@@ -168,18 +140,37 @@ class LogConfig:
 
 @dataclass
 class PlanConfig:
+    """Inputs of the checkpoint interval plan (`python -m <package>.plan`): your answers."""
+
     mtbi_hours: float = 8.0
-    step_time_seconds: float = 2.0
-    checkpoint_save_seconds: float = 10.0
-    restart_seconds: float = 120.0
+    step_time_s: float = 2.0
+    checkpoint_save_s: float = 10.0
+    restart_s: float = 120.0
     badput_target_percent: float = 5.0
+
+    def __post_init__(self) -> None:
+        # NaN and ±inf are refused too (NaN fails every comparison; inf is not finite).
+        _require(math.isfinite(self.mtbi_hours) and self.mtbi_hours > 0, "plan.mtbi_hours",
+                 "must be a finite number > 0 (hours)", self.mtbi_hours)
+        _require(math.isfinite(self.step_time_s) and self.step_time_s > 0, "plan.step_time_s",
+                 "must be a finite number > 0 (seconds)", self.step_time_s)
+        _require(math.isfinite(self.checkpoint_save_s) and self.checkpoint_save_s >= 0,
+                 "plan.checkpoint_save_s", "must be a finite number >= 0 (seconds)",
+                 self.checkpoint_save_s)
+        _require(math.isfinite(self.restart_s) and self.restart_s >= 0, "plan.restart_s",
+                 "must be a finite number >= 0 (seconds)", self.restart_s)
+        _require(0 < self.badput_target_percent < 100, "plan.badput_target_percent",
+                 "must be a number between 0 and 100, exclusive (percent)",
+                 self.badput_target_percent)
 
 
 @dataclass
 class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    # The task's sections (src/<package>/task.py reads them): free-form here, checked by
+    # the task itself, e.g. with task_section() below.
+    model: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
@@ -216,3 +207,30 @@ def to_plain_dict(config: Config) -> dict:
     """The resolved configuration as plain data (enums as strings), for commit.json."""
     return OmegaConf.to_container(OmegaConf.structured(config), resolve=True,
                                   enum_to_str=True)
+
+
+Section = TypeVar("Section")
+
+
+def task_section(values: dict[str, Any], schema: type[Section], prefix: str,
+                 ignore: tuple[str, ...] = ()) -> Section:
+    """Check a task-owned section (``model:``, ``data:``) against a dataclass of the task's.
+
+    Unknown keys, wrong types and the dataclass's own ``__post_init__`` checks all raise
+    ConfigError naming ``prefix.key``, so a task gets the harness's error messages (exit
+    status 2, no traceback) for its own keys. Keys in ``ignore`` belong to the harness.
+    """
+    kept = {k: v for k, v in values.items() if k not in ignore}
+    known = {f.name for f in dataclasses.fields(schema)}
+    for key in kept:
+        if key not in known:
+            raise ConfigError(f"{prefix}.{key}: not a key of {prefix} (known: "
+                              f"{', '.join(sorted(known))})")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), kept)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        message = str(exc).split("\n")[0].strip()
+        key = getattr(exc, "full_key", None)
+        where = f"{prefix}.{key}" if key else prefix
+        raise ConfigError(f"{where}: {message}") from None

@@ -6,6 +6,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,19 +64,42 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def wrap_model(model: nn.Module, cfg: DistributedConfig, runtime: Runtime) -> nn.Module:
-    """Shard the model with FSDP2 (each block, then the root) or replicate it with DDP."""
+def wrap_model(model: nn.Module, units: list[nn.Module], cfg: DistributedConfig,
+               runtime: Runtime) -> nn.Module:
+    """Shard the model with FSDP2 (each unit, then the root) or replicate it with DDP."""
     model.to(runtime.device)
     if cfg.parallelism == Parallelism.fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
+        for unit in units:
+            fully_shard(unit, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [runtime.local_rank] if runtime.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids)
+
+
+def set_gradient_sync(model: nn.Module, parallelism: Parallelism, enabled: bool) -> None:
+    """Reduce gradients across ranks in the next backward pass, or only accumulate them.
+
+    Gradient accumulation syncs on its last micro-batch only.
+    """
+    if parallelism == Parallelism.fsdp:
+        model.set_requires_gradient_sync(enabled)
+    else:
+        model.require_backward_grad_sync = enabled
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor of a collated batch (tensors, tuples, lists, dicts) to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=device.type == "cuda")
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch

@@ -18,7 +18,8 @@ random streams all carried over). On another world size the random streams are
 reseeded and sums run in another order, so the criterion is a relative loss difference
 below 1e-4, with ``model.dropout=0`` (the default).
 
-A small model is used unless your key=value overrides say otherwise (they come last).
+The default task's model is made small unless your key=value overrides say otherwise
+(they come last).
 DIR receives reference/, interrupted/, report.json, report.md and loss.png. A re-run
 into the same DIR replaces exactly those; a non-empty DIR that no drill made is
 refused. Exit status: 0 passed, 1 failed, 2 refused (bad arguments; nothing ran).
@@ -38,8 +39,9 @@ from pathlib import Path
 
 from . import drill_report
 from .config import Config, ConfigError, load_config
-from .data import BatchSizeError, plan_batches
 from .launch import positive_int, torchrun_command
+from .sampling import BatchSizeError, split_global_batch
+from .task_contract import check_config, load_task
 
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
@@ -47,8 +49,9 @@ DEFAULT_STEPS = 24
 # The default save interval is the largest divisor of K up to this, so that a few
 # checkpoints commit (and old ones are retired) before the one the run resumes from.
 MAX_DEFAULT_INTERVAL = 4
-# Small enough that the three runs take about a minute on two CPU cores; the user's
-# key=value overrides come after these and win.
+# Small enough that the three runs take about a minute on two CPU cores, for the default
+# task (applied only to keys its model: section has); the user's key=value overrides
+# come after these and win.
 SMALL_MODEL = ("model.d_model=32", "model.n_layers=1")
 # The drill decides these itself; setting them would break the comparison.
 OWNED_KEYS = {"train.max_steps": "--steps", "checkpoint.dir": "--out", "log.dir": "--out"}
@@ -314,16 +317,18 @@ def prepare(args: argparse.Namespace) -> Drill:
         key = item.split("=", 1)[0]
         if key in OWNED_KEYS:
             raise ValueError(f"{key} is set by the drill; use {OWNED_KEYS[key]} instead")
-    overrides = [*SMALL_MODEL, f"checkpoint.interval_steps={default_interval(k)}",
-                 *args.overrides]
+    own = load_config(args.config, args.overrides).model
+    small = [item for item in SMALL_MODEL if item.split("=")[0].split(".", 1)[1] in own]
+    overrides = [*small, f"checkpoint.interval_steps={default_interval(k)}", *args.overrides]
     cfg = load_config(args.config, overrides)
+    check_config(load_task(), cfg)
     interval = cfg.checkpoint.interval_steps
     if k % interval:
         raise ValueError(f"checkpoint.interval_steps={interval} does not divide --interrupt-at "
                          f"{k}: the run is killed after the checkpoint of step {k}, so step {k} "
                          "must be a save step")
     for ranks in (args.save_ranks, args.resume_ranks):
-        plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, ranks)
+        split_global_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, ranks)
     _check_devices(cfg, max(args.save_ranks, args.resume_ranks))
     config = str(Path(args.config).resolve()) if args.config else None
     return Drill(args.save_ranks, args.resume_ranks, args.steps, k, interval,

@@ -144,8 +144,9 @@ def build(drill, kill: dict[str, Any]) -> dict[str, Any]:
         verdict += ("; the two runs already differed before the kill (max "
                     f"{determinism['max_abs_loss_diff']:.3g}): this machine's kernels are "
                     "not deterministic")
-    if not passed and not same_world and drill.cfg.model.dropout > 0:
-        verdict += (f"; expected with model.dropout={drill.cfg.model.dropout:g}: on another "
+    dropout = float(drill.cfg.model.get("dropout", 0) or 0)
+    if not passed and not same_world and dropout > 0:
+        verdict += (f"; expected with model.dropout={dropout:g}: on another "
                     "world size the random streams are reseeded, so the dropout masks differ. "
                     "Drill with model.dropout=0")
     first_after = after.steps.get(after.first_step) if after.steps else None
@@ -164,7 +165,7 @@ def build(drill, kill: dict[str, Any]) -> dict[str, Any]:
         "global_batch_size": drill.cfg.train.global_batch_size,
         "saved_grad_accum_steps": before.start.get("grad_accum_steps"),
         "resume_grad_accum_steps": after.start.get("grad_accum_steps"),
-        "dropout": drill.cfg.model.dropout,
+        "dropout": dropout,
         "max_abs_loss_diff": diffs["max_abs_loss_diff"],
         "max_rel_loss_diff": diffs["max_rel_loss_diff"],
         "max_abs_grad_norm_diff": diffs["max_abs_grad_norm_diff"],
@@ -173,8 +174,8 @@ def build(drill, kill: dict[str, Any]) -> dict[str, Any]:
         "before_kill_max_abs_loss_diff": determinism["max_abs_loss_diff"],
         "resume_seconds": (first_after["time"] - kill["killed_at"]) if first_after else None,
         "resume_to_start_seconds": after.start["time"] - kill["killed_at"],
-        "tokens_per_s_before": before.median("tokens_per_s"),
-        "tokens_per_s_after": after.median("tokens_per_s"),
+        "samples_per_s_before": before.median("samples_per_s"),
+        "samples_per_s_after": after.median("samples_per_s"),
         "compared_steps": diffs["compared_steps"],
         "per_step": diffs["rows"],
         "wall_seconds": round(time.monotonic() - drill.started, 1),
@@ -225,8 +226,8 @@ def render_markdown(r: dict[str, Any]) -> str:
                                  f"{r['global_batch_size']}, unchanged)",
         "resume time": f"{_num(r['resume_seconds'], '.1f')} s from the kill to the first step "
                        f"after it ({_num(r['resume_to_start_seconds'], '.1f')} s to the start)",
-        "throughput (median)": f"{_num(r['tokens_per_s_before'], ',.0f')} tokens/s before, "
-                               f"{_num(r['tokens_per_s_after'], ',.0f')} after",
+        "throughput (median)": f"{_num(r['samples_per_s_before'], ',.1f')} samples/s before, "
+                               f"{_num(r['samples_per_s_after'], ',.1f')} after",
         "max loss difference": f"{_num(r['max_abs_loss_diff'])} absolute, "
                                f"{_num(r['max_rel_loss_diff'])} relative",
         "max grad-norm difference": f"{_num(r['max_abs_grad_norm_diff'])} absolute, "

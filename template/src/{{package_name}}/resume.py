@@ -35,8 +35,8 @@ from pathlib import Path
 from .checkpoint import Committed, newest_complete_checkpoint, open_storage
 from .checkpoint.storage import Storage
 from .config import Config, ConfigError, PreemptionConfig, load_config
-from .data import BatchSizeError, plan_batches
 from .launch import positive_int, torchrun_command
+from .sampling import BatchSizeError, split_global_batch
 
 EXIT_BAD_INPUT = 2
 # Forwarded to torchrun even when preemption.signals does not list them: Ctrl-C and the
@@ -45,7 +45,7 @@ ALWAYS_FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1")
 
 
 @dataclass(frozen=True)
-class ResumePlan:
+class ResumePoint:
     """Where training resumes and how the global batch is split on the new world size."""
 
     step: int
@@ -69,18 +69,19 @@ class ResumePlan:
                 f"{self.saved_grad_accum_steps}\n  now {now}")
 
 
-def make_plan(cfg: Config, checkpoint: Committed | None, world_size: int) -> ResumePlan:
-    """The plan for ``world_size`` ranks; raises BatchSizeError when it cannot divide."""
-    batches = plan_batches(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
+def resume_point(cfg: Config, checkpoint: Committed | None, world_size: int) -> ResumePoint:
+    """Where ``world_size`` ranks resume; raises BatchSizeError when the batch cannot split."""
+    split = split_global_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                               world_size)
     record = checkpoint.record if checkpoint is not None else {}
-    return ResumePlan(
+    return ResumePoint(
         step=checkpoint.step if checkpoint is not None else 0,
         checkpoint=checkpoint.path if checkpoint is not None else None,
         saved_world_size=record.get("world_size"),
         saved_grad_accum_steps=record.get("grad_accum_steps"),
         world_size=world_size,
-        grad_accum_steps=batches.grad_accum_steps,
-        global_batch_size=batches.global_batch_size,
+        grad_accum_steps=split.grad_accum_steps,
+        global_batch_size=split.global_batch_size,
     )
 
 
@@ -110,7 +111,7 @@ def node_count(value: str) -> int:
         return positive_int(value)
     except argparse.ArgumentTypeError as exc:
         raise argparse.ArgumentTypeError(
-            f"{exc}; elastic ranges such as 1:4 are not supported because the batch plan "
+            f"{exc}; elastic ranges such as 1:4 are not supported because the batch split "
             "needs a fixed world size") from None
 
 
@@ -141,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="rendezvous id, the same on all nodes of one job")
     parser.add_argument("--config", default=None, help="YAML config (default configs/train.yaml)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the plan as one JSON line on stdout and exit")
+                        help="print where training would resume as one JSON line on stdout and exit")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, passed on to training")
     return parser.parse_args(argv)
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                                    nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint,
                                    rdzv_id=args.rdzv_id)
         checkpoint = newest_complete_checkpoint(storage)
-        plan = make_plan(cfg, checkpoint, nproc * args.nnodes)
+        point = resume_point(cfg, checkpoint, nproc * args.nnodes)
     # ValueError: the launch builder's refusals; RuntimeError: an object-store URL
     # whose driver is not installed.
     except (ConfigError, BatchSizeError, ValueError, RuntimeError) as exc:
@@ -170,13 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
     human = sys.stderr if args.dry_run else sys.stdout
-    print(plan.describe(cfg.train.micro_batch_size, str(storage)), file=human)
+    print(point.describe(cfg.train.micro_batch_size, str(storage)), file=human)
     warning = batch_change_warning(cfg, checkpoint)
     if warning:
         print(warning, file=sys.stderr)
     print(f"  command: {shlex.join(command)}", file=human, flush=True)
     if args.dry_run:
-        print(plan.to_json(), flush=True)
+        print(point.to_json(), flush=True)
         return 0
     return supervise(command, storage, checkpoint, cfg.preemption,
                      Path(cfg.log.dir) / "metrics.jsonl")

@@ -5,7 +5,7 @@
 
 Exit status: 0 finished, ``preemption.exit_code`` (75 by default) stopped by a
 preemption signal or notice (run again: the newest committed checkpoint holds the
-state), 2 bad configuration, 1 crashed. See docs/PREEMPTION.md.
+state), 2 bad configuration or a task that breaks its contract, 1 crashed. See docs/PREEMPTION.md.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ import torch.distributed as dist
 
 from .checkpoint import CheckpointManager, open_storage
 from .config import ConfigError, load_config
-from .data import BatchSizeError
 from .distributed import setup, teardown
 from .metrics import MetricsLog
 from .preemption import PreemptionWatch, start_notice_poller
-from .trainer import Trainer
+from .sampling import BatchSizeError
+from .stop import StopCoordinator
+from .task_contract import load_task
+from .trainer import TaskError, Trainer
 
 EXIT_BAD_CONFIG = 2
 
@@ -56,25 +58,29 @@ def main(argv: list[str] | None = None) -> int:
     manager = CheckpointManager(open_storage(cfg.checkpoint.dir), mode=cfg.checkpoint.async_mode,
                                 keep_last=cfg.checkpoint.keep_last,
                                 is_coordinator=runtime.is_main, device=runtime.device)
+    stop = StopCoordinator(watch, runtime, metrics, cfg.preemption.grace_period_s)
     try:
         try:
-            trainer = Trainer(cfg, runtime, manager, watch, metrics)
-        except BatchSizeError as exc:
+            trainer = Trainer(cfg, load_task(), runtime, manager, stop, metrics)
+        except (ConfigError, BatchSizeError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_BAD_CONFIG
         manager.prepare()
-        resumed = trainer.resume()
+        resumed = trainer.resume(manager)
         metrics.event("start", step=trainer.progress.step, world_size=runtime.world_size,
-                      grad_accum_steps=trainer.batches.grad_accum_steps,
+                      grad_accum_steps=trainer.split.grad_accum_steps,
                       resumed_from=resumed.path if resumed else None,
                       saved_world_size=resumed.world_size if resumed else None)
         metrics.say(
             f"{'resumed from ' + resumed.path if resumed else 'starting fresh'}: step "
             f"{trainer.progress.step}, {runtime.world_size} rank(s) on {runtime.device.type}, "
-            f"gradient accumulation {trainer.batches.grad_accum_steps}, "
+            f"gradient accumulation {trainer.split.grad_accum_steps}, "
             f"checkpoints every {cfg.checkpoint.interval_steps} steps to {cfg.checkpoint.dir}")
-        outcome = trainer.run()
-        manager.close()
+        try:
+            outcome = trainer.run()
+        except TaskError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_BAD_CONFIG
         # Rank 0 commits after the others are done writing: nobody leaves before it has,
         # or a launcher that ends the job on the first exit could cut the commit off.
         if runtime.world_size > 1:

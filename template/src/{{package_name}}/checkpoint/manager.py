@@ -119,18 +119,19 @@ class CheckpointManager:
         return self._inflight.step if self._inflight is not None else None
 
     def save(self, step: int, state: dict[str, Any], reason: str, record: dict[str, Any],
-             *, blocking: bool = False, started: float | None = None) -> SaveResult | None:
-        """Start a save of ``state`` at ``step``.
+             *, blocking: bool = False) -> SaveResult | None:
+        """Start a save of ``state`` at ``step``; never two at once.
 
-        A save still in flight is finished (and committed) first: never two at once,
-        and the staging buffers are reused. Returns the result of whichever save
-        committed during the call. ``blocking`` writes synchronously whatever the mode
-        (the last save before exiting: the background process may already be gone).
-        ``started`` (a ``time.perf_counter()`` value) backdates the start for a caller
-        that finished the previous save itself, so that its blocking time still counts.
+        The caller finishes the previous save first (``wait``): the staging buffers are
+        reused. In ``process``/``thread`` mode this returns once the state is handed
+        over (None; ``poll``/``wait`` commit it later). ``blocking`` writes synchronously
+        whatever the mode (the last save before exiting: the background process may
+        already be gone), and returns the committed result.
         """
-        started = time.perf_counter() if started is None else started
-        previous = self.wait()
+        if self._inflight is not None:
+            raise RuntimeError(f"the save of step {self._inflight.step} is still in flight; "
+                               "wait for it before starting another")
+        started = time.perf_counter()
         if self.is_coordinator:
             layout.make_room(self.storage, step)
         handed_off = time.perf_counter()
@@ -140,7 +141,7 @@ class CheckpointManager:
             written = time.perf_counter()
             self._inflight = _InFlight(step, reason, record, started, written - started,
                                        _done_future(), None, handed_off, written)
-            return self._finish(mode=AsyncMode.sync) or previous
+            return self._finish(mode=AsyncMode.sync)
         kind = (AsyncCheckpointerType.PROCESS if self.mode == AsyncMode.process
                 else AsyncCheckpointerType.THREAD)
         response = dcp.async_save(state, storage_writer=writer, planner=self._planner,
@@ -154,7 +155,7 @@ class CheckpointManager:
                              upload, staging, handed_off)
         upload.add_done_callback(lambda _: setattr(inflight, "written", time.perf_counter()))
         self._inflight = inflight
-        return previous
+        return None
 
     def wait_staged(self) -> None:
         """Block until the in-flight save has copied the state (before parameters change)."""

@@ -6,12 +6,41 @@ filled the tensors in place, so each adapter decides what its part looks like on
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+
+
+@dataclass
+class Progress(Stateful):
+    """Where training stands, in world-size-independent terms."""
+
+    step: int = 0
+    samples_consumed: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "samples_consumed": self.samples_consumed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.samples_consumed = int(state_dict["samples_consumed"])
+
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+                   progress: Progress, rng: RankRNG | None) -> dict[str, Stateful]:
+    """Everything a checkpoint holds, as DCP sees it: one key per part."""
+    state: dict[str, Stateful] = {"app": ModelAndOptimizer(model, optimizer),
+                                  "progress": progress}
+    if scheduler is not None:
+        state["scheduler"] = Scheduler(scheduler)
+    if rng is not None:
+        state["rng"] = rng
+    return state
 
 
 class ModelAndOptimizer(Stateful):

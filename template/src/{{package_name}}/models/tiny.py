@@ -1,18 +1,41 @@
-"""A small decoder-only language model over bytes. Replace it with your own model.
+"""A small decoder-only language model over bytes: the default task's model.
 
-Anything that is an ``nn.Module`` with a ``blocks`` list (the units FSDP2 shards one
-by one) works with the rest of the project.
+Its configuration is the ``model:`` section of configs/train.yaml, checked by
+``TinyConfig``. Its ``blocks`` are the units FSDP2 shards one by one.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from ..config import ConfigError
 
 VOCAB_SIZE = 256  # bytes
+
+
+@dataclass
+class TinyConfig:
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.d_model >= 1, "model.d_model", "must be >= 1", self.d_model),
+            (self.n_layers >= 1, "model.n_layers", "must be >= 1", self.n_layers),
+            (self.n_heads >= 1, "model.n_heads", "must be >= 1", self.n_heads),
+            (self.d_model % max(1, self.n_heads) == 0, "model.d_model",
+             f"must be a multiple of model.n_heads={self.n_heads}", self.d_model),
+            (0 <= self.dropout < 1, "model.dropout", "must be in [0, 1)", self.dropout),
+        ]
+        for ok, key, message, value in checks:
+            if not ok:
+                raise ConfigError(f"{key} {message} (got {value!r})")
 
 
 class Block(nn.Module):
@@ -41,7 +64,7 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
+    def __init__(self, cfg: TinyConfig, max_seq_len: int) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB_SIZE, cfg.d_model)
         self.pos = nn.Embedding(max_seq_len, cfg.d_model)
@@ -58,7 +81,3 @@ class TinyLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
-
-
-def build_model(cfg: ModelConfig, max_seq_len: int) -> TinyLM:
-    return TinyLM(cfg, max_seq_len)

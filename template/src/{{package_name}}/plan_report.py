@@ -1,0 +1,388 @@
+"""What a checkpoint interval plan says: text for people, JSON for tools, the Markdown
+measured section of docs/CHECKLIST.md (English or Chinese), and a plot of badput
+against the interval. The numbers all come from plan_model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from .plan_model import (
+    Inputs,
+    Measured,
+    Plan,
+    badput,
+    badput_components,
+    min_saving_and_rework,
+)
+
+END_MARKER = "<!-- measured:end -->"
+# The begin marker carries the checklist's language so that --write can refresh
+# the section in the language the rest of the file is written in.
+BEGIN_MARKER_RE = re.compile(r"<!-- measured:begin(?: lang=(?P<lang>[a-z]+))? -->")
+PLOT_SUFFIXES = (".png", ".svg")
+
+
+# -------------------------------------------------------------------- text ----
+
+
+def explain_unreachable(plan: Plan, lang: str = "en") -> str | None:
+    """Why no interval meets the target and what would help; None when one does."""
+    if plan.target_reachable:
+        return None
+    i, c = plan.inputs, plan.components
+    text = TEXT[lang]
+    window = plan.target_window_seconds
+    if window is None:
+        return text["unreachable_floor"].format(
+            min=100 * plan.min_badput,
+            restart=100 * c["restart"],
+            commit=100 * c["commit_latency"],
+            floor=100 * min_saving_and_rework(i),
+        )
+    shortest = plan.shortest_interval_steps
+    if window[1] < shortest * i.step_seconds:
+        return text["unreachable_short"].format(
+            hi=window[1], steps=shortest, seconds=shortest * i.step_seconds
+        )
+    return text["unreachable_grain"].format(lo=window[0], hi=window[1], step=i.step_seconds)
+
+
+# Why the source article's simplified bound underestimates the cost of saving often.
+SIMPLE_BOUND_NOTE = ("it charges one save per interruption instead of one per interval, so it "
+                     "never counts what saving often costs and only caps the interval from above")
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a few lines for people."""
+    i, c = plan.inputs, plan.components
+    lines = [
+        "Checkpoint plan",
+        (
+            f"  inputs: M = {i.mtbi_hours:g} h ({i.mtbi_seconds:g} s), T = {i.step_seconds:g} s, "
+            f"δ = {i.blocking_seconds:g} s, L = {i.commit_latency_seconds:g} s, "
+            f"R = {i.restart_seconds:g} s, target = {i.badput_target_percent:g} %"
+        ),
+        (
+            f"  recommended interval: {plan.interval_steps} steps = {plan.interval_seconds:.1f} s "
+            f"({plan.interval_seconds / 60:.1f} min); "
+            f"Daly τ* = {plan.daly_interval_seconds:.1f} s, "
+            f"Young √(2δM) = {plan.young_interval_seconds:.1f} s"
+        ),
+        f"  expected badput: {100 * plan.expected_badput:.2f} %",
+        f"    saving (blocked)    δ/(τ+δ)    {100 * c['saving']:6.2f} %",
+        f"    rework              (τ+δ)/2M   {100 * c['rework']:6.2f} %",
+        f"    commit latency      L/M        {100 * c['commit_latency']:6.2f} %",
+        f"    restart             R/M        {100 * c['restart']:6.2f} %",
+        f"  no interval does better than {100 * plan.min_badput:.2f} %",
+    ]
+    if plan.max_interval_steps is not None:
+        n = plan.max_interval_steps
+        lines.append(
+            f"  largest interval that meets the {i.badput_target_percent:g} % target: "
+            f"{n} steps = {n * i.step_seconds:.1f} s"
+        )
+    else:
+        lines.append(f"  the {i.badput_target_percent:g} % target cannot be met. "
+                     + explain_unreachable(plan))
+    bound = plan.simple_bound_steps
+    lines.append(
+        "  simplified bound N <= 2(target·M - δ)/T: "
+        + (f"{bound} steps" if bound is not None else "no interval (below one step)")
+        + f"; {SIMPLE_BOUND_NOTE}"
+    )
+    return "\n".join(lines)
+
+
+
+def to_json(plan: Plan) -> dict:
+    """The plan as plain data: what `plan --json` prints."""
+    i = plan.inputs
+    window = plan.target_window_seconds
+    return {
+        "interval_steps": plan.interval_steps,
+        "interval_seconds": plan.interval_seconds,
+        "young_daly_interval_seconds": plan.daly_interval_seconds,
+        "young_interval_seconds": plan.young_interval_seconds,
+        "shortest_interval_steps": plan.shortest_interval_steps,
+        "expected_badput_percent": 100 * plan.expected_badput,
+        "badput_components_percent": {k: 100 * v for k, v in plan.components.items()},
+        "min_badput_percent": 100 * plan.min_badput,
+        "min_saving_and_rework_percent": 100 * min_saving_and_rework(i),
+        "target_reachable": plan.target_reachable,
+        "max_interval_steps_for_target": plan.max_interval_steps,
+        "max_interval_seconds_for_target": (
+            None if plan.max_interval_steps is None
+            else plan.max_interval_steps * i.step_seconds
+        ),
+        "target_window_seconds": None if window is None else list(window),
+        "unreachable_reason": explain_unreachable(plan),
+        "simple_bound_max_interval_steps": plan.simple_bound_steps,
+        "half_interval_steps": plan.half_interval_steps,
+        "badput_percent_at_half_interval": 100 * plan.badput_at_half_interval,
+        "double_interval_steps": plan.double_interval_steps,
+        "badput_percent_at_double_interval": 100 * plan.badput_at_double_interval,
+        "inputs": {
+            "mtbi_hours": i.mtbi_hours,
+            "mtbi_seconds": i.mtbi_seconds,
+            "step_seconds": i.step_seconds,
+            "blocking_seconds": i.blocking_seconds,
+            "commit_latency_seconds": i.commit_latency_seconds,
+            "restart_seconds": i.restart_seconds,
+            "badput_target_percent": i.badput_target_percent,
+        },
+    }
+
+
+# ---------------------------------------------------- measured section ----
+
+TEXT = {
+    "en": {
+        "title": "Measured in `{path}`",
+        "header": "| Quantity | Symbol | Planned | Measured (median) | Samples |",
+        "step": "Step time",
+        "blocking": "Blocking time of one save",
+        "latency": "Commit latency",
+        "steps": "{n} steps",
+        "saves": "{n} saves",
+        "unknown": "–",
+        "reason_all": "There were no interval saves, so all saves were used.",
+        "warmup": "Left out: {n} warm-up save(s), the first after each start "
+                  "(a background save starts its writer then).",
+        "warmup_only": "Every save recorded was a warm-up save (the first after a start); they are "
+                       "slower than usual, so these numbers overstate the save time.",
+        "raised": "The median commit latency came out below the median blocking time; "
+                  "L is taken equal to δ.",
+        "skipped": "Skipped {n} unreadable line(s).",
+        "with": "With the measured numbers "
+                "(M = {mtbi:g} h, R = {restart:g} s, target = {target:g} %):",
+        "recommended": "- Recommended interval: **{n} steps** = {s:.1f} s ({m:.1f} min); expected "
+                       "badput **{b:.2f} %** (saving {sv:.2f} %, rework {rw:.2f} %, commit "
+                       "latency {cl:.2f} %, restart {rs:.2f} %).",
+        "max": "- Largest interval that meets the target: {n} steps = {s:.1f} s.",
+        "max_none": "- The target cannot be met. {reason}",
+        "bound": "- Simplified bound 2(target·M − δ)/T: {bound}.",
+        "bound_none": "no interval (below one step)",
+        "bound_steps": "{n} steps",
+        "configured": "- Interval now in `configs/train.yaml`: {n} steps, expected badput "
+                      "{b:.2f} % at the measured numbers.",
+        "change": " To use the recommendation: `checkpoint.interval_steps: {n}`.",
+        "same": " That is the recommendation.",
+        "unreachable_floor": "No interval gets expected badput below {min:.2f} %: restart alone "
+                             "costs R/M = {restart:.2f} %, commit latency L/M = {commit:.2f} %, "
+                             "and saving plus rework together at least √(2δ/M) = {floor:.2f} %. To "
+                             "meet it, accept at least {min:.2f} %, restart faster, make saves "
+                             "block less and commit sooner (async saves, faster storage), or run "
+                             "where interruptions are rarer.",
+        "unreachable_short": "Only intervals up to {hi:.1f} s meet it, and the shortest allowed "
+                             "interval is {steps} step(s) = {seconds:.1f} s (a new save never "
+                             "starts before the previous one can have committed). Commit sooner "
+                             "or accept a higher target.",
+        "unreachable_grain": "Only intervals between {lo:.1f} s and {hi:.1f} s meet it, and no "
+                             "whole number of {step:g} s steps falls in between. Accept a "
+                             "slightly higher target.",
+    },
+    "zh": {
+        "title": "实测数据，来自 `{path}`",
+        "header": "| 量 | 符号 | 计划值 | 实测中位数 | 样本数 |",
+        "step": "单步耗时",
+        "blocking": "单次保存阻塞训练的时间",
+        "latency": "提交延迟",
+        "steps": "{n} 步",
+        "saves": "{n} 次保存",
+        "unknown": "–",
+        "reason_all": "日志里没有按间隔触发的保存，因此用了全部保存记录。",
+        "warmup": "已剔除 {n} 次预热保存：每次启动后的第一次保存要先拉起后台写盘进程，比平常慢。",
+        "warmup_only": "记录到的保存全是启动后的第一次（预热）保存，耗时偏高，"
+                       "据此算出的保存时间会偏大。",
+        "raised": "提交延迟的中位数小于阻塞时间的中位数，按 L = δ 处理。",
+        "skipped": "跳过了 {n} 行无法解析的记录。",
+        "with": "按实测数据重新计算"
+                "（M = {mtbi:g} 小时，R = {restart:g} 秒，目标 = {target:g} %）：",
+        "recommended": "- 建议间隔：**{n} 步** = {s:.1f} 秒（{m:.1f} 分钟）；预期 badput "
+                       "**{b:.2f} %**（保存阻塞 {sv:.2f} %，回退重算 {rw:.2f} %，提交延迟 "
+                       "{cl:.2f} %，重启 {rs:.2f} %）。",
+        "max": "- 满足目标的最大间隔：{n} 步 = {s:.1f} 秒。",
+        "max_none": "- 目标无法达到。{reason}",
+        "bound": "- 简化上界 2(target·M − δ)/T：{bound}。",
+        "bound_none": "没有可用间隔（不足一步）",
+        "bound_steps": "{n} 步",
+        "configured": "- `configs/train.yaml` 当前间隔：{n} 步，按实测数据预期 badput {b:.2f} %。",
+        "change": "如要采用建议值：`checkpoint.interval_steps: {n}`。",
+        "same": "与建议值一致。",
+        "unreachable_floor": "无论间隔取多少，预期 badput 都不会低于 {min:.2f} %：单是重启就占 "
+                             "R/M = {restart:.2f} %，提交延迟占 L/M = {commit:.2f} %，保存阻塞与"
+                             "回退重算合计至少 √(2δ/M) = {floor:.2f} %。想达标，可以把目标放宽到 "
+                             "{min:.2f} % 以上、缩短重启时间、让保存少阻塞并更快提交（异步保存、"
+                             "更快的存储），或换到中断更少的机器上运行。",
+        "unreachable_short": "只有不超过 {hi:.1f} 秒的间隔能达标，而允许的最短间隔是 {steps} 步 = "
+                             "{seconds:.1f} 秒（上一次保存提交之前不会开始新的保存）。"
+                             "请缩短提交延迟或放宽目标。",
+        "unreachable_grain": "只有 {lo:.1f} 秒到 {hi:.1f} 秒之间的间隔能达标，但单步 {step:g} 秒，"
+                             "没有整数步数落在这个区间内。把目标稍微放宽即可。",
+    },
+}
+
+
+def render_measured_section(
+    plan: Plan, measured: Measured, planned: Inputs | None = None,
+    configured_interval_steps: int | None = None, lang: str = "en",
+) -> str:
+    """The checklist's measured section (Markdown) in English ("en") or Chinese ("zh")."""
+    text = TEXT[lang]
+    i, c = plan.inputs, plan.components
+
+    def planned_value(value: float | None) -> str:
+        return text["unknown"] if value is None else f"{value:g} s"
+
+    rows = [
+        (text["step"], "T", planned.step_seconds if planned else None, measured.step_seconds,
+         text["steps"].format(n=measured.step_count)),
+        (text["blocking"], "δ", planned.blocking_seconds if planned else None,
+         measured.blocking_seconds, text["saves"].format(n=measured.save_count)),
+        (text["latency"], "L", planned.commit_latency_seconds if planned else None,
+         measured.commit_latency_seconds, text["saves"].format(n=measured.save_count)),
+    ]
+    lines = [f"**{text['title'].format(path=measured.path)}**", "", text["header"],
+             "|---|---|---|---|---|"]
+    for name, symbol, planned_s, measured_s, samples in rows:
+        lines.append(f"| {name} | `{symbol}` | {planned_value(planned_s)} | {measured_s:.3g} s | "
+                     f"{samples} |")
+    notes = []
+    if measured.save_reason == "all":
+        notes.append(text["reason_all"])
+    if measured.warmup_excluded:
+        notes.append(text["warmup"].format(n=measured.warmup_excluded))
+    if measured.warmup_only:
+        notes.append(text["warmup_only"])
+    if measured.latency_raised:
+        notes.append(text["raised"])
+    if measured.skipped_lines:
+        notes.append(text["skipped"].format(n=measured.skipped_lines))
+    if notes:
+        lines += ["", " ".join(notes)]
+    lines += [
+        "",
+        text["with"].format(mtbi=i.mtbi_hours, restart=i.restart_seconds,
+                            target=i.badput_target_percent),
+        "",
+        text["recommended"].format(
+            n=plan.interval_steps, s=plan.interval_seconds, m=plan.interval_seconds / 60,
+            b=100 * plan.expected_badput, sv=100 * c["saving"], rw=100 * c["rework"],
+            cl=100 * c["commit_latency"], rs=100 * c["restart"],
+        ),
+    ]
+    if plan.max_interval_steps is not None:
+        lines.append(text["max"].format(n=plan.max_interval_steps,
+                                        s=plan.max_interval_steps * i.step_seconds))
+    else:
+        lines.append(text["max_none"].format(reason=explain_unreachable(plan, lang)))
+    bound = plan.simple_bound_steps
+    lines.append(text["bound"].format(
+        bound=text["bound_none"] if bound is None else text["bound_steps"].format(n=bound)))
+    if configured_interval_steps is not None:
+        same = configured_interval_steps == plan.interval_steps
+        lines.append(
+            text["configured"].format(
+                n=configured_interval_steps,
+                b=100 * badput(configured_interval_steps * i.step_seconds, i))
+            + (text["same"] if same else text["change"].format(n=plan.interval_steps))
+        )
+    return "\n".join(lines) + "\n"
+
+
+def replace_measured_section(document: str, section: str) -> str:
+    """Swap what lies between the measured markers; everything else stays as it was."""
+    begins = list(BEGIN_MARKER_RE.finditer(document))
+    ends = [m.start() for m in re.finditer(re.escape(END_MARKER), document)]
+    if len(begins) != 1 or len(ends) != 1 or ends[0] < begins[0].end():
+        raise ValueError("expected one '<!-- measured:begin -->' line followed by one "
+                         f"'{END_MARKER}' line")
+    return document[: begins[0].end()] + "\n" + section + document[ends[0]:]
+
+
+def checklist_language(document: str) -> str:
+    match = BEGIN_MARKER_RE.search(document)
+    lang = (match and match.group("lang")) or "en"
+    return lang if lang in TEXT else "en"
+
+
+def write_atomically(path: Path, content: str) -> None:
+    """Write to a temporary file beside `path`, then rename over it: never half a file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# -------------------------------------------------------------------- plot ----
+
+
+class PlotUnavailable(RuntimeError):
+    pass
+
+
+def plot_badput(plan: Plan, path: str | os.PathLike) -> None:
+    """Write B against the interval, with the recommendation and the target marked (PNG or SVG)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise PlotUnavailable("--plot needs matplotlib: pip install matplotlib") from exc
+
+    i = plan.inputs
+    lowest = plan.shortest_interval_steps
+    highest = max(4 * plan.interval_steps, lowest + 10,
+                  2 * (plan.max_interval_steps or 0), plan.simple_bound_steps or 0)
+    # Log-spaced integer intervals: the curve spans orders of magnitude in N.
+    count = 400
+    ratio = (highest / lowest) ** (1 / (count - 1))
+    steps = sorted({round(lowest * ratio**k) for k in range(count)} | {plan.interval_steps})
+    curves = {"total": [], "saving": [], "interruptions": []}
+    for n in steps:
+        parts = badput_components(n * i.step_seconds, i)
+        curves["total"].append(100 * badput(n * i.step_seconds, i))
+        curves["saving"].append(100 * parts["saving"])
+        curves["interruptions"].append(100 * (parts["rework"] + parts["commit_latency"]
+                                              + parts["restart"]))
+
+    fig = Figure(figsize=(7.5, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(steps, curves["total"], color="black", label="expected badput B(N·T)")
+    ax.plot(steps, curves["saving"], "--", color="tab:blue", label="saving δ/(τ+δ)")
+    ax.plot(steps, curves["interruptions"], ":", color="tab:orange",
+            label="interruptions (R + (τ+δ)/2 + L)/M")
+    ax.axhline(i.badput_target_percent, color="tab:red", linewidth=0.8,
+               label=f"target {i.badput_target_percent:g} %")
+    ax.plot([plan.interval_steps], [100 * plan.expected_badput], "o", color="tab:green",
+            label=f"recommended: {plan.interval_steps} steps, {100 * plan.expected_badput:.2f} %")
+    if plan.max_interval_steps is not None:
+        n = plan.max_interval_steps
+        ax.plot([n], [100 * badput(n * i.step_seconds, i)], "s", color="tab:red",
+                label=f"largest meeting target: {n} steps")
+    if plan.simple_bound_steps is not None:
+        ax.axvline(plan.simple_bound_steps, color="grey", linestyle="-.", linewidth=0.8,
+                   label=f"simplified bound: {plan.simple_bound_steps} steps")
+    ax.set_xscale("log")
+    top = max(3 * i.badput_target_percent, 3 * 100 * plan.expected_badput)
+    ax.set_ylim(0, min(100.0, top))
+    ax.set_xlabel(f"checkpoint interval N (steps of {i.step_seconds:g} s)")
+    ax.set_ylabel("badput (% of machine time)")
+    ax.set_title(f"M = {i.mtbi_hours:g} h, δ = {i.blocking_seconds:g} s, "
+                 f"L = {i.commit_latency_seconds:g} s, R = {i.restart_seconds:g} s")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+

@@ -1,0 +1,102 @@
+"""The contract between the harness and the user's task module (task.py).
+
+``load_task`` reads the task's functions and fills in the harness's defaults for the
+optional ones, so the rest of the harness calls one ``Task`` and never the module.
+What each function must do is written in docs/EXTENDING.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import default_collate
+
+from .config import Config, ConfigError
+
+REQUIRED = ("build_model", "build_data", "loss_and_metrics")
+OPTIONAL = ("collate", "build_optimizer", "shard_units")
+Optimizers = tuple[torch.optim.Optimizer, "torch.optim.lr_scheduler.LRScheduler | None"]
+
+
+@dataclass(frozen=True)
+class Task:
+    build_model: Callable[[Config], nn.Module]
+    build_data: Callable[[Config], Any]
+    loss_and_metrics: Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, Any]]]
+    collate: Callable[[list[Any]], Any]
+    build_optimizer: Callable[[nn.Module, Config], Optimizers]
+    shard_units: Callable[[nn.Module], list[nn.Module]]
+
+
+def load_task(module: ModuleType | None = None) -> Task:
+    """The task's functions, with defaults for the optional ones missing from ``module``."""
+    if module is None:
+        from . import task as module
+    missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
+    if missing:
+        raise ConfigError(f"{module.__name__} must define {', '.join(missing)} "
+                          "(see docs/EXTENDING.md)")
+    defaults = {"collate": default_collate, "build_optimizer": default_optimizer,
+                "shard_units": default_shard_units}
+    chosen = {name: getattr(module, name) for name in REQUIRED}
+    for name in OPTIONAL:
+        chosen[name] = getattr(module, name, None) or defaults[name]
+    return Task(**chosen)
+
+
+def check_config(task: Task, cfg: Config) -> None:
+    """Let the task refuse its configuration before anything runs (raises ConfigError).
+
+    The model is built on the meta device: no memory for weights, no time to initialise
+    them. Only ConfigError counts here; anything else is left for the run to report.
+    """
+    try:
+        with torch.device("meta"):
+            task.build_model(cfg)
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001, S110 - e.g. a model that cannot be built on meta
+        pass
+
+
+# ------------------------------------------------------------------ defaults --
+
+def lr_factor(step: int, warmup: int, max_steps: int, min_ratio: float) -> float:
+    """Linear warm-up, then cosine decay to ``min_ratio``; a function of the global step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def default_optimizer(model: nn.Module, cfg: Config) -> Optimizers:
+    """AdamW with linear warm-up and cosine decay, from the ``train:`` section."""
+    train = cfg.train
+    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr,
+                                  weight_decay=train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, train.warmup_steps, train.max_steps,
+                                       train.min_lr_ratio))
+    return optimizer, scheduler
+
+
+def default_shard_units(model: nn.Module) -> list[nn.Module]:
+    """The submodules FSDP2 shards one by one before the root.
+
+    A Hugging Face model names its layer classes in ``_no_split_modules``; otherwise a
+    ``blocks`` or ``layers`` list; otherwise none (the whole model is one unit).
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        return [m for m in model.modules() if type(m).__name__ in names]
+    for attr in ("blocks", "layers"):
+        units = getattr(model, attr, None)
+        if isinstance(units, (nn.ModuleList, nn.Sequential)):
+            return list(units)
+    return []
