@@ -35,6 +35,11 @@ class Parallelism(str, enum.Enum):
     ddp = "ddp"
 
 
+class Precision(str, enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"   # CUDA only: bf16 parameters and compute, fp32 gradient reduction
+
+
 class NoticeSource(str, enum.Enum):
     none = "none"
     aws = "aws"
@@ -58,6 +63,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 1234
+    precision: Precision = Precision.fp32
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         _require(self.max_steps >= 1, "train.max_steps", "must be >= 1", self.max_steps)
