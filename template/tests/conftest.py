@@ -1,4 +1,7 @@
-"""Shared helpers: find the package, run its commands in subprocesses (torchrun too)."""
+"""Shared helpers: find the package, run its commands in subprocesses (torchrun too).
+
+Tests import the package's modules one way: ``project_module("name")``.
+"""
 
 from __future__ import annotations
 
@@ -65,20 +68,14 @@ def torchrun(nproc: int, module: str, *args: str, cwd: Path = ROOT, timeout: flo
 
 
 def read_metrics(log_dir: Path) -> list[dict]:
-    path = log_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Every event in ``log_dir/metrics.jsonl``, read by the project's own reader."""
+    return project_module("metrics").read_events(log_dir)[0]
 
 
 @pytest.fixture
 def run_dirs(tmp_path: Path) -> dict[str, str]:
     """Checkpoint and log directories of a throwaway run, as key=value overrides."""
     return {"ckpt": str(tmp_path / "ckpt"), "logs": str(tmp_path / "logs")}
-
-
-@pytest.fixture(scope="session")
-def package():
-    sys.path.insert(0, str(ROOT / "src"))
-    return __import__(PACKAGE)
 
 
 # ------------------------------------------------------- long-running jobs --
@@ -146,18 +143,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> int:
 
 def read_events(log_dir: Path, kind: str) -> list[dict]:
     """The events of one kind in ``metrics.jsonl`` (empty while the file does not exist)."""
-    path = log_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a line being written right now
-        if event.get("event") == kind:
-            events.append(event)
-    return events
+    return project_module("metrics").read_events(log_dir, kind)[0]
 
 
 # ----------------------------------------------------- fake metadata service --

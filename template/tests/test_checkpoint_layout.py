@@ -6,11 +6,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from conftest import project_module
+
 
 @pytest.fixture
-def ckpt(package):
-    layout = __import__(f"{package.__name__}.checkpoint.layout", fromlist=["commit"])
-    storage = __import__(f"{package.__name__}.checkpoint.storage", fromlist=["LocalStorage"])
+def ckpt():
+    layout = project_module("checkpoint.layout")
+    storage = project_module("checkpoint.storage")
     return layout, storage
 
 

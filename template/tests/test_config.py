@@ -1,11 +1,11 @@
 import pytest
 
-from conftest import ROOT, run_module
+from conftest import ROOT, project_module, run_module
 
 
 @pytest.fixture
-def config_module(package):
-    return __import__(f"{package.__name__}.config", fromlist=["load_config"])
+def config_module():
+    return project_module("config")
 
 
 def test_defaults_load_and_overrides_apply(config_module):
@@ -25,6 +25,10 @@ def test_defaults_load_and_overrides_apply(config_module):
     ("preemption.signals=[SIGKILL]", "preemption.signals"),
     ("preemption.exit_code=1", "preemption.exit_code"),
     ("nokey", "key=value"),
+    ("max_steps=3", "did you mean train.max_steps"),   # a key without its section
+    ("checkpoint.dir=", "checkpoint.dir: no value given"),
+    ("checkpoint.dir=ftp://host/x", "checkpoint.dir must be a path"),  # not silently local
+    ("checkpoint.dir=S3://bucket/x", "checkpoint.dir must be a path"),
 ])
 def test_bad_values_are_refused_naming_the_key(config_module, override, fragment):
     with pytest.raises(config_module.ConfigError, match=fragment.replace("[", r"\[")):

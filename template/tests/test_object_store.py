@@ -13,15 +13,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import read_metrics, torchrun
+from conftest import project_module, read_metrics, torchrun
 
 fsspec = pytest.importorskip("fsspec")
 
 
 @pytest.fixture
-def ckpt(package):
-    layout = __import__(f"{package.__name__}.checkpoint.layout", fromlist=["commit"])
-    storage = __import__(f"{package.__name__}.checkpoint.storage", fromlist=["FsspecStorage"])
+def ckpt():
+    layout = project_module("checkpoint.layout")
+    storage = project_module("checkpoint.storage")
     return layout, storage
 
 

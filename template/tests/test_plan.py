@@ -3,7 +3,6 @@ its text (plan_report) and its command line (plan)."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import random
@@ -11,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import run_module
+from conftest import project_module, run_module
 
 FLAG_ORDER = ("--mtbi-hours", "--step-seconds", "--blocking-seconds", "--commit-latency-seconds",
               "--restart-seconds", "--badput-target-percent")
@@ -19,18 +18,18 @@ DEFAULTS = (8.0, 2.0, 10.0, 10.0, 120.0, 5.0)  # M (h), T, δ, L, R (s), target 
 
 
 @pytest.fixture(scope="module")
-def plan(package):
-    return importlib.import_module(f"{package.__name__}.plan")
+def plan():
+    return project_module("plan")
 
 
 @pytest.fixture(scope="module")
-def model(package):
-    return importlib.import_module(f"{package.__name__}.plan_model")
+def model():
+    return project_module("plan_model")
 
 
 @pytest.fixture(scope="module")
-def report(package):
-    return importlib.import_module(f"{package.__name__}.plan_report")
+def report():
+    return project_module("plan_report")
 
 
 @pytest.fixture

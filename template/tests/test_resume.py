@@ -8,7 +8,6 @@ test adds the real thing: kill -9 of the whole job, then the restart script.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -23,7 +22,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import PACKAGE, ROOT, read_metrics, run_module, torchrun
+from conftest import ROOT, project_module, read_metrics, run_module, torchrun
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
 STEPS, RESUME_AT = 8, 4
@@ -31,13 +30,6 @@ STEPS, RESUME_AT = 8, 4
 # over 1, 2 or 4 ranks of 2, but not over 3.
 BATCH = ("train.global_batch_size=16", "train.micro_batch_size=2")
 SMALL = ("model.d_model=32", "model.n_layers=1", "log.every_steps=100", *BATCH)
-
-
-def project(module: str):
-    src = str(ROOT / "src")
-    if src not in sys.path:
-        sys.path.insert(0, src)
-    return importlib.import_module(f"{PACKAGE}.{module}")
 
 
 def run_overrides(base: Path, *extra: str) -> list[str]:
@@ -59,7 +51,7 @@ def reference_run(base: Path, nproc: int, *extra: str) -> Path:
 
 def resume_from(reference: Path, base: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
     """``resume --nproc-per-node nproc`` from the reference's checkpoint of step RESUME_AT."""
-    name = project("checkpoint").step_name(RESUME_AT)
+    name = project_module("checkpoint").step_name(RESUME_AT)
     shutil.copytree(reference / "ckpt" / name, base / "ckpt" / name)
     return run_module("resume", "--nproc-per-node", str(nproc), *run_overrides(base, *extra))
 
@@ -72,7 +64,7 @@ def last_run(log_dir: Path) -> tuple[dict, dict[int, dict]]:
 
 
 def dry_run(capsys, *args: str) -> tuple[int, str, str]:
-    code = project("resume").main(["--config", CONFIG, "--dry-run", *args])
+    code = project_module("resume").main(["--config", CONFIG, "--dry-run", *args])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -122,7 +114,7 @@ def test_resume_on_another_world_size_continues_the_run(reference, tmp_path, sav
     proc = resume_from(reference(saved), tmp_path, resumed, "model.dropout=0")
     assert "random streams reseeded" in proc.stdout
     start, after = last_run(tmp_path / "logs")
-    accum = project("sampling").split_global_batch(16, 2, resumed).grad_accum_steps
+    accum = project_module("sampling").split_global_batch(16, 2, resumed).grad_accum_steps
     assert (start["step"], start["saved_world_size"]) == (RESUME_AT, saved)
     assert (start["world_size"], start["grad_accum_steps"]) == (resumed, accum)
     _, ref = last_run(reference(saved) / "logs")
@@ -151,7 +143,7 @@ def test_dry_run_after_a_run_shows_the_new_accumulation(dropout_reference, capsy
     code, out, _ = dry_run(capsys, "--nproc-per-node", "1", *BATCH,
                            f"checkpoint.dir={dropout_reference / 'ckpt'}")
     assert code == 0
-    name = project("checkpoint").step_name(STEPS)
+    name = project_module("checkpoint").step_name(STEPS)
     assert json.loads(out) == {
         "step": STEPS, "checkpoint": str(dropout_reference / "ckpt" / name),
         "saved_world_size": 2, "saved_grad_accum_steps": 4,
@@ -161,7 +153,7 @@ def test_dry_run_after_a_run_shows_the_new_accumulation(dropout_reference, capsy
 def test_damaged_newest_checkpoints_are_skipped(dropout_reference, tmp_path, capsys, caplog):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(dropout_reference / "ckpt", ckpt)
-    step_name = project("checkpoint").step_name
+    step_name = project_module("checkpoint").step_name
     (ckpt / step_name(STEPS) / "commit.json").unlink()            # the save never committed
     with open(ckpt / step_name(STEPS - 2) / ".metadata", "r+b") as handle:
         handle.truncate(10)                                         # cut off mid-write
@@ -186,7 +178,7 @@ def test_world_size_that_cannot_keep_the_global_batch_is_refused(tmp_path, capsy
 ])
 def test_bad_arguments_are_refused(capsys, args, message):
     with pytest.raises(SystemExit) as info:
-        project("resume").main(args)
+        project_module("resume").main(args)
     assert info.value.code == 2 and message in capsys.readouterr().err
 
 
@@ -199,7 +191,7 @@ def test_several_nodes_need_a_rendezvous_endpoint(tmp_path, capsys):
 @pytest.mark.parametrize("module", ["resume", "drill"])
 def test_commands_answer_help(module, capsys):
     with pytest.raises(SystemExit) as info:
-        project(module).main(["--help"])
+        project_module(module).main(["--help"])
     assert info.value.code == 0 and "usage" in capsys.readouterr().out
 
 
@@ -238,8 +230,8 @@ while True:
 
 def prepared_checkpoint(root: Path, step: int, reason: str) -> Path:
     """A committed checkpoint made by the commit protocol itself, in ``root/prepared``."""
-    layout = project("checkpoint.layout")
-    storage = project("checkpoint.storage").LocalStorage(root / "staging")
+    layout = project_module("checkpoint.layout")
+    storage = project_module("checkpoint.storage").LocalStorage(root / "staging")
     dcp.save({"w": torch.zeros(4)}, storage_writer=storage.writer(
         layout.staging_name(step, storage)), no_dist=True)
     committed = layout.commit(storage, step, {"world_size": 1, "reason": reason})
@@ -259,15 +251,15 @@ def prepared_checkpoint(root: Path, step: int, reason: str) -> Path:
 ])
 def test_resume_forwards_signals_and_tells_preemption_from_failure(
         tmp_path, mode, sig, old_preemption, expected):
-    resume = project("resume")
-    config = project("config")
+    resume = project_module("resume")
+    config = project_module("config")
     (tmp_path / "ckpt").mkdir()
-    storage = project("checkpoint.storage").LocalStorage(tmp_path / "ckpt")
+    storage = project_module("checkpoint.storage").LocalStorage(tmp_path / "ckpt")
     if old_preemption:
         shutil.move(prepared_checkpoint(tmp_path, 3, "preemption"),
                     tmp_path / "ckpt" / "step_000000003")
     prepared_checkpoint(tmp_path, 7, "preemption")
-    before = project("checkpoint").newest_complete_checkpoint(storage)
+    before = project_module("checkpoint").newest_complete_checkpoint(storage)
     if sig is not None:
         def scheduler() -> None:      # signals resume (this process) once the job runs
             deadline = time.monotonic() + 30
@@ -285,7 +277,7 @@ def test_resume_forwards_signals_and_tells_preemption_from_failure(
 
 # ------------------------------------------------------------------- drill --
 def drill_main(tmp_path: Path, capsys, *args: str) -> tuple[int, str]:
-    code = project("drill").main(["--config", CONFIG, "--out", str(tmp_path / "out"), *args])
+    code = project_module("drill").main(["--config", CONFIG, "--out", str(tmp_path / "out"), *args])
     return code, capsys.readouterr().err
 
 
@@ -311,7 +303,7 @@ def test_drill_refuses_zero_ranks(tmp_path, capsys):
 
 
 def test_drill_replaces_only_what_a_drill_wrote(tmp_path, capsys):
-    drill = project("drill")
+    drill = project_module("drill")
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
@@ -344,7 +336,7 @@ def test_kill_tree_reaches_processes_in_other_sessions():
              "print(p.pid, flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", spawn], stdout=subprocess.PIPE, text=True)
     grandchild = int(child.stdout.readline())
-    assert project("drill").kill_tree(child.pid) == 2
+    assert project_module("drill").kill_tree(child.pid) == 2
     assert child.wait(timeout=10) == -signal.SIGKILL
     deadline = time.monotonic() + 10
     while not _gone(grandchild) and time.monotonic() < deadline:
@@ -353,7 +345,7 @@ def test_kill_tree_reaches_processes_in_other_sessions():
 
 
 def test_drill_verdict_needs_exact_equality_on_the_same_world_size():
-    report = project("drill_report")
+    report = project_module("drill_report")
 
     def run(losses):
         return {s: {"loss": v, "grad_norm": 1.0} for s, v in losses.items()}

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+from . import exit_codes
 from .checkpoint import CheckpointManager, LocalStorage
 from .checkpoint.state import Progress, RankRNG, training_state
 from .config import AsyncMode, Config, ConfigError, load_config
@@ -64,7 +65,7 @@ def build_state(cfg: Config, task: Task, runtime: Runtime):
     the optimizer state exists), and the state a checkpoint of them holds."""
     torch.manual_seed(cfg.train.seed)
     model = task.build_model(cfg)
-    model = wrap_model(model, task.shard_units(model), cfg.distributed, runtime)
+    model = wrap_model(model, task.shard_units(model), cfg, runtime)
     optimizer, scheduler = task.build_optimizer(model, cfg)
     dataset = task.build_data(cfg)
     samples = [dataset[i % len(dataset)] for i in range(cfg.train.micro_batch_size)]
@@ -91,8 +92,12 @@ def _local_bytes(state: dict) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=f"python -m {__package__}.bench",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog=f"torchrun --nproc-per-node N -m {__package__}.bench",
+        description=__doc__.split("\n\n")[0],
+        epilog=f"Run it under torchrun, on the GPUs (and the storage) training uses: "
+               f"torchrun --nproc-per-node 2 -m {__package__}.bench. Every rank writes its "
+               f"own shard, so the figures depend on the number of ranks.")
     parser.add_argument("--repeats", type=int, default=3, help="timed saves per method (>= 1)")
     parser.add_argument("--dir", default=None,
                         help="scratch directory on the storage to measure (default: a temp dir)")
@@ -106,12 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.repeats < 1:
         print("error: --repeats must be >= 1", file=sys.stderr)
-        return 2
+        return exit_codes.BAD_INPUT
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exit_codes.BAD_INPUT
     runtime = setup(cfg.distributed)
     scratch_root = [args.dir or (tempfile.mkdtemp(prefix="bench-") if runtime.is_main else None)]
     dist.broadcast_object_list(scratch_root, src=0)
@@ -126,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             model, optimizer, progress, state = build_state(cfg, load_task(), runtime)
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return exit_codes.BAD_INPUT
         local_bytes = _local_bytes({k: v.state_dict() for k, v in state.items()})
         say(f"benchmarking {args.repeats} saves per method on {runtime.world_size} rank(s), "
             f"{local_bytes / 2**20:.1f} MiB of state on rank 0, scratch {root}")

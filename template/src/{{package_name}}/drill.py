@@ -37,14 +37,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import drill_report
+from . import drill_report, exit_codes
 from .config import Config, ConfigError, load_config
 from .launch import positive_int, torchrun_command
+from .metrics import Event, EventTail
 from .sampling import BatchSizeError, split_global_batch
 from .task_contract import check_config, load_task
 
-EXIT_FAILED = 1
-EXIT_REFUSED = 2
 DEFAULT_STEPS = 24
 # The default save interval is the largest divisor of K up to this, so that a few
 # checkpoints commit (and old ones are retired) before the one the run resumes from.
@@ -157,26 +156,6 @@ def kill_tree(root: int) -> int:
     return len(frozen)
 
 
-# -------------------------------------------------------------- metrics log --
-class MetricsTail:
-    """Reads the events appended to a metrics.jsonl since the last call (whole lines only)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-
-    def read(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as handle:
-                handle.seek(self.offset)
-                data = handle.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        return [drill_report.parse_event(line) for line in data[:end].splitlines() if line.strip()]
-
-
 # ------------------------------------------------------------------- phases --
 def _start(command: list[str], log_path: Path) -> subprocess.Popen:
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -215,7 +194,7 @@ def run_and_kill(drill: Drill, command: list[str], name: str) -> dict:
     """Start the run and kill its whole process tree once step K is committed and passed."""
     base = drill.out / name
     log_path = base / "output.log"
-    tail = MetricsTail(base / "logs" / "metrics.jsonl")
+    tail = EventTail(base / "logs")
     k = drill.interrupt_at
     saved = passed = False
     proc = _start(command, log_path)
@@ -223,8 +202,8 @@ def run_and_kill(drill: Drill, command: list[str], name: str) -> dict:
     try:
         while not (saved and passed):
             for event in tail.read():
-                saved |= event.get("event") == "save" and event.get("step") == k
-                passed |= event.get("event") == "step" and event.get("step", 0) > k
+                saved |= event["event"] == Event.save and event.get("step") == k
+                passed |= event["event"] == Event.step and event.get("step", 0) > k
             if saved and passed:
                 break
             if proc.poll() is not None:
@@ -370,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare_out(drill.out)
     except (ConfigError, BatchSizeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
+        return exit_codes.BAD_INPUT
     drill.say(f"drill: {drill.save_ranks} rank(s) save, {drill.resume_ranks} rank(s) resume; "
               f"{drill.steps} steps, killed after the checkpoint of step {drill.interrupt_at} "
               f"(checkpoints every {drill.interval}); output in {drill.out}")
@@ -379,13 +358,13 @@ def main(argv: list[str] | None = None) -> int:
     except DrillError as exc:
         drill_report.failure(drill, str(exc))
         drill.say(f"drill failed: {exc}")
-        return EXIT_FAILED
+        return exit_codes.FAILED
     except KeyboardInterrupt:  # the running job was killed on the way out
         drill.say("drill interrupted; its runs are stopped")
         return 128 + signal.SIGINT
     drill.say(f"{'PASSED' if report['passed'] else 'FAILED'}: {report['verdict']}")
     drill.say(f"report: {drill.out / 'report.md'}")
-    return 0 if report["passed"] else EXIT_FAILED
+    return 0 if report["passed"] else exit_codes.FAILED
 
 
 if __name__ == "__main__":

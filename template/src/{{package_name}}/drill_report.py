@@ -15,14 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .metrics import Event, read_events
+
 # Runs on another world size add gradients in another order (float rounding, about 1e-7
 # relative here); a wrong data position, learning-rate step or optimizer state moves the
 # loss by 1e-3 or more. 1e-4 sits between the two.
 RESHARD_REL_TOL = 1e-4
-
-
-def parse_event(line: bytes | str) -> dict[str, Any]:
-    return json.loads(line)
 
 
 @dataclass
@@ -48,15 +46,10 @@ class Run:
 def split_runs(log_dir: Path) -> list[Run]:
     """The runs that appended to ``log_dir/metrics.jsonl``, in order (one per start event)."""
     runs: list[Run] = []
-    path = log_dir / "metrics.jsonl"
-    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    for line in lines:
-        if not line.strip():
-            continue
-        event = parse_event(line)
-        if event.get("event") == "start":
+    for event in read_events(log_dir, Event.start, Event.step)[0]:
+        if event["event"] == Event.start:
             runs.append(Run(event))
-        elif event.get("event") == "step" and runs:
+        elif runs:
             runs[-1].steps[int(event["step"])] = event
     return runs
 
@@ -267,8 +260,9 @@ def plot(path: Path, reference: Run, before: Run, after: Run, r: dict[str, Any])
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("install matplotlib for the plot (pip install matplotlib); the reports are "
-              "written without it", flush=True)
+        print("the plot needs matplotlib, the project's `plot` extra: python -m pip install "
+              "-e '.[plot]' (in the project directory); the reports are written without it",
+              flush=True)
         return None
 
     def curve(run: Run) -> tuple[list[int], list[float]]:

@@ -1,12 +1,91 @@
-"""Progress for people (a line every few steps) and for tools (metrics.jsonl)."""
+"""Progress for people (a line every few steps) and for tools (metrics.jsonl).
+
+This module owns ``<log.dir>/metrics.jsonl``: the event names, the writer (rank 0
+appends one JSON object per line) and the readers every command uses (plan, resume,
+drill, the tests). A line cut short by a kill is skipped by every reader.
+"""
 
 from __future__ import annotations
 
+import enum
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class Event(str, enum.Enum):
+    """The kinds of line in metrics.jsonl (the ``event`` field)."""
+
+    start = "start"                          # a training process group started (or resumed)
+    step = "step"                            # one optimizer step: loss, metrics, timings
+    save = "save"                            # a checkpoint committed
+    save_mode_changed = "save_mode_changed"  # saves fell back to synchronous
+    preemption = "preemption"                # a stop request was handled
+
+
+def metrics_file(log_dir_or_file: str | os.PathLike) -> Path:
+    """The metrics file of a log directory (a path to the file itself is kept)."""
+    path = Path(log_dir_or_file)
+    return path if path.name == METRICS_FILE or path.is_file() else path / METRICS_FILE
+
+
+def parse_line(line: str | bytes) -> dict[str, Any] | None:
+    """One event, or None for a blank line, a torn line or anything not an event."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) and "event" in event else None
+
+
+def read_events(log_dir_or_file: str | os.PathLike, *kinds: Event | str,
+                since: float | None = None) -> tuple[list[dict[str, Any]], int]:
+    """The events of the given kinds (all when none given), logged at or after ``since``.
+
+    Returns them in file order, and the number of lines that could not be read (e.g. cut
+    short when the job was killed). A missing file has no events.
+    """
+    path = metrics_file(log_dir_or_file)
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return [], 0
+    wanted = {Event(kind).value for kind in kinds}
+    events, unreadable = [], 0
+    for line in lines:
+        if not line.strip():
+            continue
+        event = parse_line(line)
+        if event is None:
+            unreadable += 1
+        elif (not wanted or event["event"] in wanted) and (
+                since is None or event.get("time", 0) >= since):
+            events.append(event)
+    return events, unreadable
+
+
+class EventTail:
+    """Reads the events appended to a metrics file since the last call (whole lines only)."""
+
+    def __init__(self, log_dir_or_file: str | os.PathLike) -> None:
+        self.path = metrics_file(log_dir_or_file)
+        self.offset = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        return [e for e in map(parse_line, data[:end].splitlines()) if e is not None]
 
 
 class MetricsLog:
@@ -18,12 +97,13 @@ class MetricsLog:
         self._file = None
         if log_dir is not None:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
-            self.path = Path(log_dir) / "metrics.jsonl"
+            self.path = Path(log_dir) / METRICS_FILE
             self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - open for the whole run
 
-    def event(self, kind: str, **fields: Any) -> None:
+    def event(self, kind: Event, **fields: Any) -> None:
         if self._file is not None:
-            self._file.write(json.dumps({"event": kind, **fields, "time": time.time()}) + "\n")
+            record = {"event": Event(kind).value, **fields, "time": time.time()}
+            self._file.write(json.dumps(record) + "\n")
 
     def say(self, message: str) -> None:
         if self.enabled:

@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from . import exit_codes
 from .config import DEFAULT_CONFIG, Config, ConfigError, load_config
 from .plan_model import Inputs, MetricsError, PlanInputError, badput, make_plan, read_metrics
 from .plan_report import (
@@ -30,8 +31,6 @@ from .plan_report import (
     to_json,
     write_atomically,
 )
-
-EXIT_BAD_CONFIG = 2
 
 # Inputs field -> (command-line flag, key in the config's `plan:` section)
 FLAGS = {
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         config = read_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return exit_codes.BAD_INPUT
     config_path = args.config or str(DEFAULT_CONFIG)
 
     measured = None

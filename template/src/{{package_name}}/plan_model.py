@@ -25,12 +25,12 @@ and plots of a plan are in plan_report; the command line is plan.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
+
+from .metrics import METRICS_FILE, Event, metrics_file, read_events
 
 # ------------------------------------------------------------------ inputs ----
 
@@ -273,37 +273,31 @@ def read_metrics(path: str | os.PathLike) -> Measured:
     The first save after each start is a warm-up (a process save starts its
     writer process then) and is left out while other saves remain.
     """
-    path = Path(path)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
+    path = metrics_file(path)
     if not path.is_file():
-        raise MetricsError(f"{path}: no such file (training writes it to <log.dir>/metrics.jsonl)")
+        raise MetricsError(f"{path}: no such file (training writes it to <log.dir>/{METRICS_FILE})")
     step_times: list[float] = []
     saves: list[tuple[str, float, float, bool]] = []  # reason, blocking, latency, warm-up
-    skipped = 0
     first_save_of_run = True
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
+    events, skipped = read_events(path, Event.start, Event.step, Event.save)
+    for record in events:
+        kind = record["event"]
+        if kind == Event.start:
+            first_save_of_run = True
+        elif kind == Event.step and _is_number(record.get("step_time_s")):
+            step_times.append(float(record["step_time_s"]))
+        elif kind == Event.save:
+            blocking, latency = record.get("blocking_s"), record.get("commit_latency_s")
+            if not (_is_number(blocking) and _is_number(latency)):
+                skipped += 1
                 continue
-            try:
-                record = json.loads(line)
-                kind = record.get("event")
-            except (json.JSONDecodeError, AttributeError):
-                skipped += 1  # e.g. a line cut short when the job was killed
-                continue
-            if kind == "start":
-                first_save_of_run = True
-            elif kind == "step" and _is_number(record.get("step_time_s")):
-                step_times.append(float(record["step_time_s"]))
-            elif kind == "save":
-                blocking, latency = record.get("blocking_s"), record.get("commit_latency_s")
-                if not (_is_number(blocking) and _is_number(latency)):
-                    skipped += 1
-                    continue
-                saves.append((str(record.get("reason")), float(blocking), float(latency),
-                              first_save_of_run))
-                first_save_of_run = False
+            # Time the loop waited for the previous save before this one could start is
+            # time on the training path too.
+            waited = record.get("waited_s", 0.0)
+            blocking = float(blocking) + (float(waited) if _is_number(waited) else 0.0)
+            saves.append((str(record.get("reason")), blocking, float(latency),
+                          first_save_of_run))
+            first_save_of_run = False
     if not step_times:
         raise MetricsError(f"{path}: no step events with step_time_s; "
                            "run some training steps first")

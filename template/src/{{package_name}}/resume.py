@@ -32,13 +32,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from . import exit_codes
 from .checkpoint import Committed, newest_complete_checkpoint, open_storage
 from .checkpoint.storage import Storage
 from .config import Config, ConfigError, PreemptionConfig, load_config
 from .launch import positive_int, torchrun_command
+from .metrics import Event, read_events
 from .sampling import BatchSizeError, split_global_batch
 
-EXIT_BAD_INPUT = 2
 # Forwarded to torchrun even when preemption.signals does not list them: Ctrl-C and the
 # signals schedulers use to announce the end of an allocation.
 ALWAYS_FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1")
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     # whose driver is not installed.
     except (ConfigError, BatchSizeError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return exit_codes.BAD_INPUT
 
     human = sys.stderr if args.dry_run else sys.stdout
     print(point.describe(cfg.train.micro_batch_size, str(storage)), file=human)
@@ -179,13 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(point.to_json(), flush=True)
         return 0
-    return supervise(command, storage, checkpoint, cfg.preemption,
-                     Path(cfg.log.dir) / "metrics.jsonl")
+    return supervise(command, storage, checkpoint, cfg.preemption, Path(cfg.log.dir))
 
 
 # ---------------------------------------------------------------- supervise --
 def supervise(command: list[str], storage: Storage, before: Committed | None,
-              preemption: PreemptionConfig, metrics_path: Path) -> int:
+              preemption: PreemptionConfig, log_dir: Path) -> int:
     """Run torchrun, forward signals to it, and translate its exit status."""
     launched_at = time.time()
     forwarded: list[str] = []
@@ -210,26 +210,13 @@ def supervise(command: list[str], storage: Storage, before: Committed | None,
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return exit_status(returncode, storage, before, preemption, forwarded,
-                       stopped_by_notice=preemption_logged_since(metrics_path, launched_at))
+                       stopped_by_notice=preemption_logged_since(log_dir, launched_at))
 
 
-def preemption_logged_since(metrics_path: Path, since: float) -> bool:
+def preemption_logged_since(log_dir: Path, since: float) -> bool:
     """Whether training logged a preemption stop after ``since`` (e.g. a cloud notice
     that needed no new checkpoint because the newest one was already at that step)."""
-    try:
-        lines = metrics_path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return False
-    for line in reversed(lines):
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a kill
-        if event.get("time", 0) < since:
-            return False
-        if event.get("event") == "preemption":
-            return True
-    return False
+    return bool(read_events(log_dir, Event.preemption, since=since)[0])
 
 
 def exit_status(returncode: int, storage: Storage, before: Committed | None,

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .checkpoint.policy import SavePolicy, Vote
 from .distributed import Runtime
-from .metrics import MetricsLog
+from .metrics import Event, MetricsLog
 from .preemption import PreemptionWatch
 
 log = logging.getLogger(__name__)
@@ -45,20 +45,35 @@ class StopCoordinator:
     def requested(self) -> bool:
         return self.watch.requested is not None
 
-    def vote(self, save_failed: bool = False) -> Vote:
+    def vote(self, failed_saves: int = 0) -> Vote:
         """One small all-reduce at a step boundary, so that every rank decides alike.
 
-        Carries the wall-clock time of the earliest stop request on any rank and whether
-        a save has failed on any rank.
+        Carries the wall-clock time of the earliest stop request on any rank and the most
+        failed saves on any rank.
         """
         request = self.watch.requested
         earliest = request.wall_time if request is not None else math.inf
-        failed = 1.0 if save_failed else 0.0
+        failed = float(failed_saves)
         if self.runtime.world_size > 1:
             tensor = torch.tensor([earliest, -failed], dtype=torch.float64)
-            dist.all_reduce(tensor, op=dist.ReduceOp.MIN)  # MIN of -failed is -(any failed)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN)  # MIN of -failed is -(the most)
             earliest, failed = float(tensor[0]), -float(tensor[1])
-        return Vote(None if math.isinf(earliest) else earliest, failed > 0)
+        return Vote(None if math.isinf(earliest) else earliest, int(failed))
+
+    def any_rank(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag, true when it is true on any rank (one small all-reduce)."""
+        if self.runtime.world_size == 1:
+            return tuple(bool(f) for f in flags)
+        tensor = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tuple(bool(v) for v in tensor.tolist())
+
+    def from_rank0(self, flag: bool) -> bool:
+        """Rank 0's value of ``flag`` on every rank (rank 0 alone knows what committed)."""
+        decision = torch.tensor([1 if flag else 0])
+        if self.runtime.world_size > 1:
+            dist.broadcast(decision, src=0)
+        return bool(decision.item())
 
     def _agreed_source(self, step: int) -> tuple[str, int, str, list[int]]:
         """Source, rank and detail of the earliest request, and every rank's step.
@@ -75,19 +90,6 @@ class StopCoordinator:
             dist.all_gather_object(every, mine)
         rank = min(range(len(every)), key=lambda r: every[r][0])
         return every[rank][1], rank, every[rank][2], [entry[3] for entry in every]
-
-    def _any_rank(self, flag: bool) -> bool:
-        if self.runtime.world_size > 1:
-            tensor = torch.tensor([1 if flag else 0])
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-            return bool(tensor.item())
-        return flag
-
-    def _rank0_decides(self, yes: bool) -> bool:
-        decision = torch.tensor([1 if yes else 0])
-        if self.runtime.world_size > 1:
-            dist.broadcast(decision, src=0)
-        return bool(decision.item())
 
     @staticmethod
     def _skip_reason(saves: SavePolicy, step: int, deadline: float, estimate: float,
@@ -132,13 +134,13 @@ class StopCoordinator:
         #    rank lacks.
         drained, timed_out = saves.drain(timeout=deadline - time.time())
         committed_at = time.time() if drained is not None else None
-        drain_timed_out = self._any_rank(timed_out)
+        (drain_timed_out,) = self.any_rank(timed_out)
 
         # 2. Final save at this step, decided by rank 0.
         estimate = saves.save_estimate_s()
         skip = self._skip_reason(saves, step, deadline, estimate, drain_timed_out)
         final = None
-        if self._rank0_decides(skip is None):
+        if self.from_rank0(skip is None):
             try:
                 final = saves.save_now(step, "preemption")
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - still exit as preempted
@@ -152,7 +154,7 @@ class StopCoordinator:
         grace_left = deadline - finished
         resume_step = saves.newest_step
         self.metrics.event(
-            "preemption", source=source, source_rank=source_rank, detail=detail,
+            Event.preemption, source=source, source_rank=source_rank, detail=detail,
             stop_step=step, rank_stop_steps=rank_steps, in_flight_step=in_flight_step,
             drained_step=drained.step if drained is not None else None,
             final_checkpoint_step=final.step if final is not None else None,

@@ -5,28 +5,31 @@
 
 Exit status: 0 finished, ``preemption.exit_code`` (75 by default) stopped by a
 preemption signal or notice (run again: the newest committed checkpoint holds the
-state), 2 bad configuration or a task that breaks its contract, 1 crashed. See docs/PREEMPTION.md.
+state), 73 the last state is not saved (the final checkpoint, or saves in a row,
+failed: fix the storage and run again), 2 bad configuration or a task that breaks its
+contract, 1 crashed. See docs/PREEMPTION.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import torch.distributed as dist
 
+from . import exit_codes
 from .checkpoint import CheckpointManager, open_storage
-from .config import ConfigError, load_config
-from .distributed import setup, teardown
-from .metrics import MetricsLog
+from .checkpoint.manager import stop_background_processes
+from .config import Config, ConfigError, load_config
+from .distributed import Runtime, setup, teardown
+from .metrics import Event, MetricsLog
 from .preemption import PreemptionWatch, start_notice_poller
 from .sampling import BatchSizeError
 from .stop import StopCoordinator
 from .task_contract import load_task
 from .trainer import TaskError, Trainer
-
-EXIT_BAD_CONFIG = 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return exit_codes.BAD_INPUT
 
     watch = PreemptionWatch(cfg.preemption.signals)
     watch.install()  # before anything slow, so an early signal is not lost
@@ -60,43 +63,63 @@ def main(argv: list[str] | None = None) -> int:
                                 is_coordinator=runtime.is_main, device=runtime.device)
     stop = StopCoordinator(watch, runtime, metrics, cfg.preemption.grace_period_s)
     try:
-        try:
-            trainer = Trainer(cfg, load_task(), runtime, manager, stop, metrics)
-        except (ConfigError, BatchSizeError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_BAD_CONFIG
-        manager.prepare()
-        resumed = trainer.resume(manager)
-        metrics.event("start", step=trainer.progress.step, world_size=runtime.world_size,
-                      grad_accum_steps=trainer.split.grad_accum_steps,
-                      resumed_from=resumed.path if resumed else None,
-                      saved_world_size=resumed.world_size if resumed else None)
-        metrics.say(
-            f"{'resumed from ' + resumed.path if resumed else 'starting fresh'}: step "
-            f"{trainer.progress.step}, {runtime.world_size} rank(s) on {runtime.device.type}, "
-            f"gradient accumulation {trainer.split.grad_accum_steps}, "
-            f"checkpoints every {cfg.checkpoint.interval_steps} steps to {cfg.checkpoint.dir}")
-        try:
-            outcome = trainer.run()
-        except TaskError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_BAD_CONFIG
-        # Rank 0 commits after the others are done writing: nobody leaves before it has,
-        # or a launcher that ends the job on the first exit could cut the commit off.
-        if runtime.world_size > 1:
-            dist.barrier()
-        if outcome.status == "preempted":
-            metrics.say(f"exit status {cfg.preemption.exit_code}: preempted, run again to resume")
-            return cfg.preemption.exit_code
-        metrics.say(f"finished at step {outcome.step}")
-        return 0
+        code = _train(cfg, runtime, manager, stop, metrics)
     finally:
         if poller is not None:
             poller.stop()
         metrics.close()
+        if manager.abandoned:
+            # A background save was given up: its thread may wait on a dead peer for half
+            # an hour. Leave now, with the status decided, and take no child along.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            stop_background_processes()
+            os._exit(code if "code" in locals() else exit_codes.FAILED)
         teardown()
         # Last: a signal that comes while shutting down is only counted, never kills.
         watch.uninstall()
+    return code
+
+
+def _train(cfg: Config, runtime: Runtime, manager: CheckpointManager, stop: StopCoordinator,
+           metrics: MetricsLog) -> int:
+    try:
+        trainer = Trainer(cfg, load_task(), runtime, manager, stop, metrics)
+    except (ConfigError, BatchSizeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    manager.prepare()
+    resumed = trainer.resume(manager)
+    metrics.event(Event.start, step=trainer.progress.step, world_size=runtime.world_size,
+                  grad_accum_steps=trainer.split.grad_accum_steps,
+                  resumed_from=resumed.path if resumed else None,
+                  saved_world_size=resumed.world_size if resumed else None)
+    metrics.say(
+        f"{'resumed from ' + resumed.path if resumed else 'starting fresh'}: step "
+        f"{trainer.progress.step}, {runtime.world_size} rank(s) on {runtime.device.type}, "
+        f"gradient accumulation {trainer.split.grad_accum_steps}, "
+        f"checkpoints every {cfg.checkpoint.interval_steps} steps to {cfg.checkpoint.dir}")
+    try:
+        outcome = trainer.run()
+    except TaskError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    # Rank 0 commits after the others are done writing: nobody leaves before it has,
+    # or a launcher that ends the job on the first exit could cut the commit off.
+    if runtime.world_size > 1:
+        dist.barrier()
+    if outcome.status == "preempted":
+        metrics.say(f"exit status {cfg.preemption.exit_code}: preempted, run again to resume")
+        return cfg.preemption.exit_code
+    if outcome.status == "not_saved":
+        newest = trainer.saves.newest_step
+        metrics.say(f"stopped at step {outcome.step} with its state NOT saved: "
+                    f"{outcome.detail}; the newest committed checkpoint is "
+                    f"{'step ' + str(newest) if newest is not None else 'none'}; exit status "
+                    f"{exit_codes.NOT_SAVED}: fix the storage and run again to resume")
+        return exit_codes.NOT_SAVED
+    metrics.say(f"finished at step {outcome.step}")
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from .checkpoint import CheckpointManager, Committed
-from .checkpoint.policy import SavePolicy
+from .checkpoint.policy import SavePolicy, SavesFailing
 from .checkpoint.state import Progress, RankRNG, training_state
-from .config import Config, to_plain_dict
+from .config import Config, OnSaveError, to_plain_dict
 from .distributed import Runtime, set_gradient_sync, to_device, wrap_model
-from .metrics import MetricsLog
+from .metrics import Event, MetricsLog
 from .sampling import GlobalBatchSampler, RankMicroBatches, split_global_batch
 from .stop import StopCoordinator
 from .task_contract import Task
@@ -40,8 +40,9 @@ class TaskError(RuntimeError):
 
 @dataclass(frozen=True)
 class Outcome:
-    status: str                     # "finished" or "preempted"
+    status: str                     # "finished", "preempted" or "not_saved"
     step: int
+    detail: str = ""                # for "not_saved": why the last state is not committed
 
 
 def rank_seed(seed: int, step: int, rank: int) -> int:
@@ -67,14 +68,17 @@ class Trainer:
                                         runtime.world_size)
         torch.manual_seed(train.seed)  # identical initial weights on every rank
         model = task.build_model(cfg)
-        self.model = wrap_model(model, task.shard_units(model), cfg.distributed, runtime)
+        self.model = wrap_model(model, task.shard_units(model), cfg, runtime)
         self.optimizer, self.scheduler = task.build_optimizer(self.model, cfg)
         self.dataset = task.build_data(cfg)
         self.sampler = GlobalBatchSampler(len(self.dataset), train.global_batch_size, train.seed)
         self.progress = Progress()
-        self.saves = SavePolicy(manager, interval_steps=cfg.checkpoint.interval_steps,
-                                final_step=train.max_steps, state=self.state,
-                                record=self._commit_record, metrics=metrics)
+        ckpt = cfg.checkpoint
+        self.saves = SavePolicy(
+            manager, interval_steps=ckpt.interval_steps, final_step=train.max_steps,
+            state=self.state, record=self._commit_record, metrics=metrics,
+            wait_timeout_s=ckpt.wait_timeout_s,
+            max_failed_in_a_row=1 if ckpt.on_error == OnSaveError.stop else ckpt.max_failed_saves)
         torch.manual_seed(rank_seed(train.seed, 0, runtime.rank))
 
     # ------------------------------------------------------------ checkpoint --
@@ -132,6 +136,9 @@ class Trainer:
                                                               self.progress.step,
                                                               self.runtime.rank)),
             worker_init_fn=_ignore_preemption_signals if workers else None,
+            # Each worker keeps this many micro-batches ready (DataLoader refuses it
+            # without workers).
+            prefetch_factor=int(self.cfg.data.get("prefetch_factor", 2)) if workers else None,
             persistent_workers=workers > 0)
         return iter(loader)
 
@@ -185,26 +192,37 @@ class Trainer:
     def run(self) -> Outcome:
         max_steps = self.cfg.train.max_steps
         batches = self._micro_batches()
+        self.saves.warm_up(self.stop, self.cfg.checkpoint.start_timeout_s,
+                           stage=bool(self.optimizer.state))
         rate = None  # samples/s, smoothed
         # A request that came during start-up (building, resuming) stops before step one.
-        stop_at = self.stop.vote().stop_at
-        while stop_at is None and self.progress.step < max_steps:
+        stop = self.stop.vote().stop_at
+        while stop is None and self.progress.step < max_steps:
             began = time.perf_counter()
             values = self.train_step(batches)
             step_time = time.perf_counter() - began
             step = self.progress.step
             samples_per_s = self.split.global_batch_size / step_time
             rate = samples_per_s if rate is None else 0.8 * rate + 0.2 * samples_per_s
-            self.metrics.event("step", step=step, **values, step_time_s=step_time,
+            self.metrics.event(Event.step, step=step, **values, step_time_s=step_time,
                                samples_per_s=samples_per_s,
                                lr=self.optimizer.param_groups[0]["lr"])
-            stop_at = self.saves.maybe_save(step, self.stop)
-            if stop_at is None and (step % self.cfg.log.every_steps == 0 or step == max_steps):
+            stop = self.saves.maybe_save(step, self.stop)
+            if stop is None and (step % self.cfg.log.every_steps == 0 or step == max_steps):
                 self._progress_line(values, rate)
-        if stop_at is not None:
-            self.stop.stop(self.saves, self.progress.step, stop_at)
-        self.saves.finish()
-        return Outcome("finished" if stop_at is None else "preempted", self.progress.step)
+        if isinstance(stop, float):
+            self.stop.stop(self.saves, self.progress.step, stop)
+        self.saves.finish(self.stop)
+        step = self.progress.step
+        if isinstance(stop, SavesFailing):
+            return Outcome("not_saved", step, f"{stop.failures} save(s) in a row failed, the "
+                           f"last: {stop.reason}")
+        if stop is not None:
+            return Outcome("preempted", step)
+        if not self.stop.from_rank0(self.saves.committed(step)):
+            return Outcome("not_saved", step, f"the final checkpoint of step {step} did not "
+                           f"commit ({self.saves.manager.last_error or 'see the log'})")
+        return Outcome("finished", step)
 
     def _progress_line(self, values: dict[str, float], samples_per_s: float) -> None:
         extra = "".join(f" | {name} {value:.4g}" for name, value in values.items()

@@ -10,7 +10,12 @@ step), and ``poll`` at every step so that a finished save is committed promptly.
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
 import time
+import uuid
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -23,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ..config import AsyncMode
 from . import layout
@@ -93,8 +99,60 @@ class CheckpointManager:
         self._abandoned = False
         self.last_committed: SaveResult | None = None
         self.failed_saves = 0
+        self.last_error: str | None = None
 
     # ---------------------------------------------------------------- startup --
+    def warm_up(self, state: dict[str, Any] | None, timeout_s: float) -> str | None:
+        """Start the background checkpoint process and allocate the staging buffers now.
+
+        Then the first save of the run costs what later ones do, and a checkpoint process
+        that cannot start is found before training, not at the first save. A collective
+        on every rank; returns None, or why the warm-up failed on this rank (the caller
+        agrees across ranks and falls back to synchronous saves).
+        """
+        if self.mode == AsyncMode.sync:
+            return None
+        try:
+            if self._stager is not None and state is not None:  # buffers, cached by tensor
+                plain = {k: v.state_dict() if isinstance(v, Stateful) else v
+                         for k, v in state.items()}
+                staged = self._stager.stage(plain)
+                if isinstance(staged, Future):
+                    staged.result(timeout=timeout_s)
+            if self.mode == AsyncMode.process:
+                self._start_checkpoint_process(timeout_s)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported, then sync
+            self._abandoned = True  # a half-started process may still hold a thread
+            return self.record_failure(None, exc, "the background checkpoint process did not start")
+        return None
+
+    def _start_checkpoint_process(self, timeout_s: float) -> None:
+        """One tiny save through DCP's process checkpointer spawns its process and group."""
+        name = [f"dcp-start-{uuid.uuid4().hex}" if self.is_coordinator else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(name, src=0)
+        scratch = os.path.join(tempfile.gettempdir(), name[0])
+        os.makedirs(scratch, exist_ok=True)
+        try:
+            response = dcp.async_save({"start": torch.zeros(1)},
+                                      storage_writer=dcp.FileSystemWriter(scratch),
+                                      planner=_StartPlanner(),
+                                      async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            upload = response.upload_completion if isinstance(response, AsyncSaveResponse) \
+                else response
+            upload.result(timeout=timeout_s)
+        except futures.TimeoutError:
+            raise TimeoutError(f"the background checkpoint process did not start within "
+                               f"{timeout_s:g} s (checkpoint.start_timeout_s)") from None
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    @property
+    def abandoned(self) -> bool:
+        """Whether a background save was given up while it may still be running."""
+        return self._abandoned
+
+
     def prepare(self) -> None:
         """Create the root and clean what an interrupted earlier run left behind."""
         if self.is_coordinator:
@@ -191,7 +249,7 @@ class CheckpointManager:
         futures.wait([self._inflight.upload])  # errors are reported by _finish
         return self._finish()
 
-    def abandon(self) -> int | None:
+    def abandon(self, why: str = "") -> int | None:
         """Forget the in-flight save without committing it; returns its step.
 
         Its directory stays unfinished (never a checkpoint) and ``prepare`` removes it
@@ -200,11 +258,20 @@ class CheckpointManager:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return None
-        self.failed_saves += 1
         self._abandoned = True
-        log.warning("checkpoint save at step %d abandoned unfinished; the previous checkpoint "
-                    "stays the newest", inflight.step)
+        self.record_failure(inflight.step, None, "given up unfinished" + (f": {why}" if why else ""))
         return inflight.step
+
+    def record_failure(self, step: int | None, exc: BaseException | None, what: str) -> str:
+        """Count a failed save and say why, naming the checkpoint root; returns the sentence."""
+        detail = f"{type(exc).__name__}: {exc}" if exc is not None else ""
+        where = f"checkpoint of step {step}" if step is not None else "checkpointing"
+        sentence = (f"{where} in {self.storage} {what}" + (f" ({detail})" if detail else "")
+                    + "; the previous checkpoint stays the newest")
+        self.failed_saves += 1
+        self.last_error = sentence
+        log.error("%s", sentence)
+        return sentence
 
     def _finish(self, mode: AsyncMode | None = None) -> SaveResult | None:
         inflight, self._inflight = self._inflight, None
@@ -212,9 +279,7 @@ class CheckpointManager:
             inflight.upload.result(timeout=0)
         # A failed save must not end training: the previous checkpoint stays usable.
         except (Exception, CheckpointException) as exc:  # noqa: BLE001
-            self.failed_saves += 1
-            log.error("checkpoint save at step %d failed, the previous checkpoint stays "
-                      "the newest: %s", inflight.step, exc)
+            self.record_failure(inflight.step, exc, "failed")
             return None
         if not self.is_coordinator:
             return None
@@ -233,9 +298,7 @@ class CheckpointManager:
         try:
             committed = layout.commit(self.storage, inflight.step, record)
         except (OSError, RuntimeError) as exc:
-            self.failed_saves += 1
-            log.error("checkpoint of step %d written but not committed, the previous "
-                      "checkpoint stays the newest: %s", inflight.step, exc)
+            self.record_failure(inflight.step, exc, "was written but not committed")
             return None
         try:
             removed = layout.retire_old(self.storage, self.keep_last)
@@ -257,6 +320,24 @@ class CheckpointManager:
             self._stager.close()
         self._stager = None
         return result
+
+
+class _StartPlanner(dcp.DefaultSavePlanner):
+    """The start-up save's own planner class: DCP caches plans per class, so the tiny
+    start-up save does not take the training state's cache slot."""
+
+
+def stop_background_processes() -> None:
+    """End DCP's checkpoint process (and any other child) without waiting for it.
+
+    After a background save was abandoned its thread may wait on a dead peer for half an
+    hour; the caller then leaves with ``os._exit`` and must not leave children behind.
+    """
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=5)
+        if child.is_alive():
+            child.kill()
 
 
 def _done_future() -> Future:
