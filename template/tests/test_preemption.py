@@ -264,7 +264,7 @@ def test_sigterm_to_torchrun_while_a_process_save_is_in_flight(run_dirs, tmp_pat
         # torchrun signalled each worker's process group, so DCP's checkpoint process
         # died mid-write: the lost save is reported, never committed, and the final
         # save at the stop step replaced it.
-        assert f"checkpoint save at step {in_flight} failed" in log_file.read_text()
+        assert f"checkpoint of step {in_flight} in " in log_file.read_text()
 
 
 @pytest.mark.parametrize("sig, seed, again", [("SIGTERM", 1, True), ("SIGUSR1", 2, False)],

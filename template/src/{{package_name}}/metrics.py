@@ -26,6 +26,7 @@ class Event(str, enum.Enum):
     save = "save"                            # a checkpoint committed
     save_mode_changed = "save_mode_changed"  # saves fell back to synchronous
     preemption = "preemption"                # a stop request was handled
+    end = "end"                              # the run's exit status and why (rank 0)
 
 
 def metrics_file(log_dir_or_file: str | os.PathLike) -> Path:

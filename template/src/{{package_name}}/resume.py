@@ -34,11 +34,13 @@ from pathlib import Path
 
 from . import exit_codes
 from .checkpoint import Committed, newest_complete_checkpoint, open_storage
+from .checkpoint.lease import Lease, LeaseHeld
 from .checkpoint.storage import Storage
 from .config import Config, ConfigError, PreemptionConfig, load_config
 from .launch import positive_int, torchrun_command
 from .metrics import Event, read_events
 from .sampling import BatchSizeError, split_global_batch
+from .task_contract import check_config, load_task
 
 # Forwarded to torchrun even when preemption.signals does not list them: Ctrl-C and the
 # signals schedulers use to announce the end of an allocation.
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
+        check_config(load_task(), cfg)  # the task's own sections, before torchrun starts
         storage = open_storage(cfg.checkpoint.dir)
         nproc = auto_nproc() if args.nproc_per_node == "auto" else args.nproc_per_node
         train_args = (["--config", args.config] if args.config else []) + list(args.overrides)
@@ -164,10 +167,13 @@ def main(argv: list[str] | None = None) -> int:
                                    nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint,
                                    rdzv_id=args.rdzv_id)
         checkpoint = newest_complete_checkpoint(storage)
+        if not args.dry_run:  # one writer per directory: refuse before starting torchrun
+            Lease(storage, stale_s=cfg.checkpoint.lease_stale_s,
+                  wait_s=cfg.checkpoint.lease_wait_s).acquire(take=False)
         point = resume_point(cfg, checkpoint, nproc * args.nnodes)
     # ValueError: the launch builder's refusals; RuntimeError: an object-store URL
     # whose driver is not installed.
-    except (ConfigError, BatchSizeError, ValueError, RuntimeError) as exc:
+    except (ConfigError, BatchSizeError, LeaseHeld, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exit_codes.BAD_INPUT
 
@@ -210,7 +216,8 @@ def supervise(command: list[str], storage: Storage, before: Committed | None,
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return exit_status(returncode, storage, before, preemption, forwarded,
-                       stopped_by_notice=preemption_logged_since(log_dir, launched_at))
+                       stopped_by_notice=preemption_logged_since(log_dir, launched_at),
+                       training_status=training_status_since(log_dir, launched_at))
 
 
 def preemption_logged_since(log_dir: Path, since: float) -> bool:
@@ -219,10 +226,22 @@ def preemption_logged_since(log_dir: Path, since: float) -> bool:
     return bool(read_events(log_dir, Event.preemption, since=since)[0])
 
 
+def training_status_since(log_dir: Path, since: float) -> tuple[int, str] | None:
+    """The exit status training decided and logged (its ``end`` event) after ``since``.
+
+    torchrun reports 1 for any failed worker; the run's own verdict (2 refused, 73 not
+    saved, ...) is in the log.
+    """
+    ends = read_events(log_dir, Event.end, since=since)[0]
+    return (int(ends[-1]["status"]), str(ends[-1].get("reason", ""))) if ends else None
+
+
 def exit_status(returncode: int, storage: Storage, before: Committed | None,
                 preemption: PreemptionConfig, forwarded: list[str],
-                stopped_by_notice: bool = False) -> int:
-    """0, ``preemption.exit_code`` when the run was preempted, else torchrun's status.
+                stopped_by_notice: bool = False,
+                training_status: tuple[int, str] | None = None) -> int:
+    """0, ``preemption.exit_code`` when the run was preempted, the status training logged
+    when it refused to run (2) or could not save its last state (73), else torchrun's.
 
     torchrun exits 1 after any signal, even when the workers saved and stopped cleanly,
     so its status alone cannot tell a preemption from a crash. A run was preempted when
@@ -244,6 +263,12 @@ def exit_status(returncode: int, storage: Storage, before: Committed | None,
         print(f"resume: preempted ({why}); exit {preemption.exit_code}: run resume again",
               file=sys.stderr, flush=True)
         return preemption.exit_code
+    if training_status is not None and training_status[0] in (exit_codes.BAD_INPUT,
+                                                               exit_codes.NOT_SAVED):
+        status, reason = training_status
+        print(f"resume: training ended with exit status {status}: {reason}", file=sys.stderr,
+              flush=True)
+        return status
     # A negative status means torchrun died of a signal; report it the way shells do.
     return 128 - returncode if returncode < 0 else returncode
 

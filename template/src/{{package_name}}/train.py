@@ -21,7 +21,10 @@ import torch.distributed as dist
 
 from . import exit_codes
 from .checkpoint import CheckpointManager, open_storage
+from .checkpoint.layout import check_storage
+from .checkpoint.lease import Lease, LeaseHeld
 from .checkpoint.manager import stop_background_processes
+from .checkpoint.storage import StorageError
 from .config import Config, ConfigError, load_config
 from .distributed import Runtime, setup, teardown
 from .metrics import Event, MetricsLog
@@ -58,15 +61,21 @@ def main(argv: list[str] | None = None) -> int:
     # Cloud notices (preemption.notice_source) feed the same watch as signals.
     poller = start_notice_poller(cfg.preemption, watch, runtime.local_rank)
     metrics = MetricsLog(cfg.log.dir if runtime.is_main else None)
-    manager = CheckpointManager(open_storage(cfg.checkpoint.dir), mode=cfg.checkpoint.async_mode,
+    storage = open_storage(cfg.checkpoint.dir)
+    lease = (Lease(storage, stale_s=cfg.checkpoint.lease_stale_s,
+                   wait_s=cfg.checkpoint.lease_wait_s) if runtime.is_main else None)
+    manager = CheckpointManager(storage, mode=cfg.checkpoint.async_mode,
                                 keep_last=cfg.checkpoint.keep_last,
-                                is_coordinator=runtime.is_main, device=runtime.device)
+                                is_coordinator=runtime.is_main, device=runtime.device, lease=lease)
     stop = StopCoordinator(watch, runtime, metrics, cfg.preemption.grace_period_s)
     try:
-        code = _train(cfg, runtime, manager, stop, metrics)
+        code, reason = _train(cfg, runtime, manager, stop, metrics)
+        metrics.event(Event.end, status=code, reason=reason)
     finally:
         if poller is not None:
             poller.stop()
+        if lease is not None:
+            lease.release()
         metrics.close()
         if manager.abandoned:
             # A background save was given up: its thread may wait on a dead peer for half
@@ -81,13 +90,25 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _refuse(reason: object) -> tuple[int, str]:
+    print(f"error: {reason}", file=sys.stderr)
+    return exit_codes.BAD_INPUT, str(reason)
+
+
 def _train(cfg: Config, runtime: Runtime, manager: CheckpointManager, stop: StopCoordinator,
-           metrics: MetricsLog) -> int:
+           metrics: MetricsLog) -> tuple[int, str]:
+    """Train; returns the exit status and, for the log, why."""
+    try:  # before the lease and the model: a full or read-only checkpoint.dir fails now
+        check_storage(manager.storage, cfg.checkpoint.keep_last, is_coordinator=runtime.is_main)
+    except StorageError as exc:
+        return _refuse(exc)
+    refused = _take_lease(manager.lease, runtime)
+    if refused:
+        return _refuse(refused)
     try:
         trainer = Trainer(cfg, load_task(), runtime, manager, stop, metrics)
     except (ConfigError, BatchSizeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        return _refuse(exc)
     manager.prepare()
     resumed = trainer.resume(manager)
     metrics.event(Event.start, step=trainer.progress.step, world_size=runtime.world_size,
@@ -102,24 +123,41 @@ def _train(cfg: Config, runtime: Runtime, manager: CheckpointManager, stop: Stop
     try:
         outcome = trainer.run()
     except TaskError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        return _refuse(exc)
     # Rank 0 commits after the others are done writing: nobody leaves before it has,
     # or a launcher that ends the job on the first exit could cut the commit off.
     if runtime.world_size > 1:
         dist.barrier()
     if outcome.status == "preempted":
         metrics.say(f"exit status {cfg.preemption.exit_code}: preempted, run again to resume")
-        return cfg.preemption.exit_code
+        return cfg.preemption.exit_code, "preempted"
     if outcome.status == "not_saved":
         newest = trainer.saves.newest_step
-        metrics.say(f"stopped at step {outcome.step} with its state NOT saved: "
-                    f"{outcome.detail}; the newest committed checkpoint is "
-                    f"{'step ' + str(newest) if newest is not None else 'none'}; exit status "
-                    f"{exit_codes.NOT_SAVED}: fix the storage and run again to resume")
-        return exit_codes.NOT_SAVED
+        reason = (f"stopped at step {outcome.step} with its state NOT saved: {outcome.detail}; "
+                  "the newest committed checkpoint is "
+                  f"{'step ' + str(newest) if newest is not None else 'none'}")
+        metrics.say(f"{reason}; exit status {exit_codes.NOT_SAVED}: fix the storage and run "
+                    "again to resume")
+        return exit_codes.NOT_SAVED, reason
     metrics.say(f"finished at step {outcome.step}")
-    return exit_codes.OK
+    return exit_codes.OK, "finished"
+
+
+def _take_lease(lease: Lease | None, runtime: Runtime) -> str | None:
+    """Rank 0 takes the checkpoint directory's lease; every rank learns whether it may go on."""
+    refused = [None]
+    if lease is not None:
+        try:
+            notice = lease.acquire()
+        except LeaseHeld as exc:
+            refused[0] = str(exc)
+        else:
+            if notice:
+                print(f"notice: {notice}", flush=True)
+            lease.start_heartbeat()
+    if runtime.world_size > 1:
+        dist.broadcast_object_list(refused, src=0)
+    return refused[0]
 
 
 if __name__ == "__main__":

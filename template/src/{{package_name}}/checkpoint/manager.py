@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..config import AsyncMode
 from . import layout
+from .lease import Lease
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,9 @@ class CheckpointManager:
     """Saves, commits, retires and loads checkpoints under one root."""
 
     def __init__(self, storage: Storage, *, mode: AsyncMode, keep_last: int,
-                 is_coordinator: bool, device: torch.device) -> None:
+                 is_coordinator: bool, device: torch.device, lease: Lease | None = None) -> None:
         self.storage = storage
+        self.lease = lease  # the coordinator's hold on the directory; commits need it
         self.mode = AsyncMode(mode)
         self.keep_last = keep_last
         self.is_coordinator = is_coordinator
@@ -164,8 +166,25 @@ class CheckpointManager:
         return layout.newest_complete_checkpoint(self.storage)
 
     def load(self, state: dict[str, Any], checkpoint: layout.Committed) -> None:
-        """Load ``state`` (Stateful objects) in place; DCP reshards to this world size."""
-        dcp.load(state, storage_reader=self.storage.reader(checkpoint.name))
+        """Load ``state`` (Stateful objects) in place; DCP reshards to this world size.
+
+        Nothing in the checkpoint runs as code: ``.metadata`` is unpickled with only DCP's
+        metadata classes allowed, non-tensor values load with ``weights_only=True``
+        (``safe_load``). Anything else raises UnsafeCheckpointError, on every rank alike.
+        """
+        from .safe_load import SafeLoadPlanner, UnsafeCheckpointError, unsafe_failure
+
+        reader = self.storage.reader(checkpoint.name)
+        try:
+            # Every rank reads .metadata for itself, so every rank refuses a bad one here,
+            # before DCP's collectives begin: none is left waiting for another.
+            reader.read_metadata()
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+        except CheckpointException as exc:
+            unsafe = unsafe_failure(exc)
+            if unsafe is None:
+                raise
+            raise UnsafeCheckpointError(f"checkpoint {checkpoint.path}: {unsafe}") from None
 
     # ------------------------------------------------------------------- save --
     @property
@@ -295,6 +314,10 @@ class CheckpointManager:
             "write_s": round(write_s, 6),
             "torch_version": torch.__version__,
         }
+        if self.lease is not None and not self.lease.held:
+            self.record_failure(inflight.step, None, "was written but not committed: another "
+                                "job has taken over the checkpoint directory (see the log)")
+            return None
         try:
             committed = layout.commit(self.storage, inflight.step, record)
         except (OSError, RuntimeError) as exc:

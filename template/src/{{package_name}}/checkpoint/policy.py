@@ -130,7 +130,7 @@ class SavePolicy:
             self._report(self.manager.save(step, self._state(), reason, self._record(),
                                            blocking=self.synchronous))
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - counted, voted next time
-            self.manager.record_failure(step, exc)
+            self.manager.record_failure(step, exc, "failed")
         return None
 
     def _go_synchronous(self, step: int, why: str) -> None:

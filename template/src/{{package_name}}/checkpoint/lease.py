@@ -1,0 +1,181 @@
+"""One writer per checkpoint directory: a lease held by the job that trains into it.
+
+    <root>/lease.json   {"host", "pid", "job_id", "acquired", "heartbeat"}
+
+Rank 0 takes the lease before anything is built and renews it from a thread every
+quarter of ``checkpoint.lease_stale_s``. A second job finds a live lease and waits up to
+``checkpoint.lease_wait_s`` for it to be released (a restarted job meeting the previous
+one still draining its last save), then refuses with the owner named. A lease without
+a heartbeat for ``lease_stale_s``, or held by a process of this host that no longer
+exists (a crash, an in-place restart), is taken over with a notice. A job that finds
+its lease taken over stops committing checkpoints (the save fails, with the reason).
+
+On a filesystem the lease is written through a temporary file and renamed; object
+stores offer no compare-and-swap here, so the lease is written and read back: two jobs
+that start within the same second can both believe they hold it until the next renewal,
+when one of them sees the other's name and stops committing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+from .storage import Storage
+
+log = logging.getLogger(__name__)
+
+LEASE_FILE = "lease.json"
+JOB_ID_VARIABLES = ("SLURM_JOB_ID", "SKYPILOT_TASK_ID", "JOB_ID", "TORCHELASTIC_RUN_ID")
+POLL_S = 1.0
+
+
+class LeaseHeld(RuntimeError):
+    """Another live job holds the checkpoint directory; the message names it."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    host: str
+    pid: int
+    job_id: str
+    acquired: float
+    heartbeat: float
+
+    def describe(self, now: float) -> str:
+        return (f"job {self.job_id} (host {self.host}, pid {self.pid}, last heartbeat "
+                f"{now - self.heartbeat:.0f} s ago)")
+
+
+def this_job_id() -> str:
+    for name in JOB_ID_VARIABLES:
+        value = os.environ.get(name, "")
+        if value and value != "none":
+            return value
+    return f"{socket.gethostname()}:{os.getppid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Lease:
+    def __init__(self, storage: Storage, *, stale_s: float, wait_s: float) -> None:
+        self.storage = storage
+        self.stale_s = stale_s
+        self.wait_s = wait_s
+        self.me = Owner(socket.gethostname(), os.getpid(), this_job_id(), time.time(),
+                        time.time())
+        self.held = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -------------------------------------------------------------- reading --
+    def owner(self) -> Owner | None:
+        """The current holder, or None when there is none (or the file is unreadable)."""
+        try:
+            return Owner(**json.loads(self.storage.read_text(LEASE_FILE)))
+        except FileNotFoundError:
+            return None
+        except (ValueError, TypeError) as exc:
+            log.warning("lease file %s is unreadable (%s): taking it over",
+                        self.storage.path(LEASE_FILE), exc)
+            return None
+
+    def _is_me(self, owner: Owner) -> bool:
+        return (owner.host, owner.pid, owner.job_id) == (self.me.host, self.me.pid,
+                                                          self.me.job_id)
+
+    def _gone(self, owner: Owner, now: float) -> str | None:
+        """Why ``owner`` no longer holds the lease, or None when it is live."""
+        if now - owner.heartbeat > self.stale_s:
+            return f"no heartbeat for {now - owner.heartbeat:.0f} s"
+        if owner.host == self.me.host and not _alive(owner.pid):
+            return f"process {owner.pid} on this host has ended"
+        return None
+
+    # -------------------------------------------------------------- holding --
+    def acquire(self, *, take: bool = True) -> str | None:
+        """Take the lease, waiting up to ``wait_s`` for a live holder; raises LeaseHeld.
+
+        Returns a notice when a stale lease was taken over, else None. With ``take=False``
+        only wait until it could be taken (``resume`` checks before starting torchrun).
+        """
+        if take:
+            self.storage.makedirs()
+        deadline = time.monotonic() + self.wait_s
+        waited = False
+        while True:
+            now = time.time()
+            owner = self.owner()
+            gone = self._gone(owner, now) if owner is not None else None
+            if owner is None or self._is_me(owner) or gone is not None:
+                if take:
+                    self._write(now)
+                notice = None
+                if owner is not None and gone is not None and not self._is_me(owner):
+                    notice = f"took over the lease of {owner.describe(now)}: {gone}"
+                    log.warning("checkpoint.dir %s: %s", self.storage, notice)
+                return notice
+            if time.monotonic() >= deadline:
+                raise LeaseHeld(
+                    f"checkpoint.dir {self.storage} is in use by {owner.describe(now)}; "
+                    f"two jobs must not write one checkpoint directory. Stop that job, or "
+                    f"wait until it has ended (a lease without a heartbeat for "
+                    f"checkpoint.lease_stale_s={self.stale_s:g} s is taken over), or use "
+                    "another checkpoint.dir")
+            if not waited:
+                log.warning("checkpoint.dir %s is held by %s: waiting up to %g s for it to "
+                            "be released", self.storage, owner.describe(now), self.wait_s)
+                waited = True
+            time.sleep(POLL_S)
+
+    def _write(self, now: float) -> None:
+        mine = Owner(self.me.host, self.me.pid, self.me.job_id, self.me.acquired, now)
+        self.storage.write_text_durable(LEASE_FILE, json.dumps(asdict(mine)))
+        self.held = True
+
+    def start_heartbeat(self) -> None:
+        self._thread = threading.Thread(target=self._beat, name="lease-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        interval = max(0.5, self.stale_s / 4)
+        while not self._stop.wait(interval):
+            try:
+                owner = self.owner()
+                if owner is not None and not self._is_me(owner):
+                    self.held = False
+                    log.error("checkpoint.dir %s was taken over by %s: no checkpoint of this "
+                              "job will commit there any more", self.storage,
+                              owner.describe(time.time()))
+                    return
+                self._write(time.time())
+            except OSError as exc:  # a storage hiccup: the next beat tries again
+                log.warning("could not renew the lease on %s: %s", self.storage, exc)
+
+    def release(self) -> None:
+        """Stop renewing and remove the lease if it is still this job's."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if not self.held:
+            return
+        self.held = False
+        try:
+            owner = self.owner()
+            if owner is not None and self._is_me(owner):
+                self.storage.remove_file(LEASE_FILE)
+        except OSError as exc:
+            log.warning("could not release the lease on %s: %s", self.storage, exc)
