@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import exit_codes
-from .checkpoint import Committed, newest_complete_checkpoint, open_storage
+from .checkpoint import Committed, compat, newest_complete_checkpoint, open_storage
 from .checkpoint.lease import Lease, LeaseHeld
 from .checkpoint.storage import Storage
 from .config import Config, ConfigError, PreemptionConfig, load_config
@@ -86,6 +86,29 @@ def resume_point(cfg: Config, checkpoint: Committed | None, world_size: int) -> 
         grad_accum_steps=split.grad_accum_steps,
         global_batch_size=split.global_batch_size,
     )
+
+
+def _refuse_another_models_checkpoint(cfg: Config, storage: Storage,
+                                     checkpoint: Committed) -> None:
+    """Raise ValueError when the checkpoint's model is not this configuration's model.
+
+    The model is built on the meta device (no memory, no weights) for its shapes.
+    """
+    import torch
+
+    with torch.device("meta"):
+        model = load_task().build_model(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    try:
+        saved = compat.saved_model_shapes(storage, checkpoint.name)
+    except (OSError, RuntimeError):
+        return  # unreadable: training falls back to an older checkpoint and says so
+    differences = compat.differences(saved, shapes, checkpoint.record.get("config", {}).get(
+        "model"), cfg.model)
+    if differences:
+        raise ValueError(f"checkpoint {checkpoint.path} was saved from another model: "
+                         + "; ".join(differences) + ". Restore the model: settings it was "
+                         "trained with (its commit.json has them) or use another checkpoint.dir")
 
 
 def batch_change_warning(cfg: Config, checkpoint: Committed | None) -> str | None:
@@ -166,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         command = torchrun_command("train", train_args, cfg.preemption, nproc_per_node=nproc,
                                    nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint,
                                    rdzv_id=args.rdzv_id)
-        checkpoint = newest_complete_checkpoint(storage)
+        checkpoint = newest_complete_checkpoint(storage, verify=cfg.checkpoint.verify.value)
+        if checkpoint is not None:
+            _refuse_another_models_checkpoint(cfg, storage, checkpoint)
         if not args.dry_run:  # one writer per directory: refuse before starting torchrun
             Lease(storage, stale_s=cfg.checkpoint.lease_stale_s,
                   wait_s=cfg.checkpoint.lease_wait_s).acquire(take=False)

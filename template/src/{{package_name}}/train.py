@@ -32,7 +32,7 @@ from .preemption import PreemptionWatch, start_notice_poller
 from .sampling import BatchSizeError
 from .stop import StopCoordinator
 from .task_contract import load_task
-from .trainer import TaskError, Trainer
+from .trainer import CheckpointUnusable, IncompatibleCheckpoint, TaskError, Trainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                    wait_s=cfg.checkpoint.lease_wait_s) if runtime.is_main else None)
     manager = CheckpointManager(storage, mode=cfg.checkpoint.async_mode,
                                 keep_last=cfg.checkpoint.keep_last,
-                                is_coordinator=runtime.is_main, device=runtime.device, lease=lease)
+                                is_coordinator=runtime.is_main, device=runtime.device, lease=lease,
+                                verify=cfg.checkpoint.verify)
     stop = StopCoordinator(watch, runtime, metrics, cfg.preemption.grace_period_s)
     try:
         code, reason = _train(cfg, runtime, manager, stop, metrics)
@@ -110,7 +111,10 @@ def _train(cfg: Config, runtime: Runtime, manager: CheckpointManager, stop: Stop
     except (ConfigError, BatchSizeError) as exc:
         return _refuse(exc)
     manager.prepare()
-    resumed = trainer.resume(manager)
+    try:
+        resumed = trainer.resume(manager)
+    except (IncompatibleCheckpoint, CheckpointUnusable) as exc:
+        return _refuse(exc)
     metrics.event(Event.start, step=trainer.progress.step, world_size=runtime.world_size,
                   grad_accum_steps=trainer.split.grad_accum_steps,
                   resumed_from=resumed.path if resumed else None,

@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.utils.data import DataLoader
 
-from .checkpoint import CheckpointManager, Committed
+from .checkpoint import CheckpointManager, Committed, compat
 from .checkpoint.policy import SavePolicy, SavesFailing
 from .checkpoint.state import Progress, RankRNG, training_state
 from .config import Config, OnSaveError, to_plain_dict
@@ -36,6 +38,20 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 class TaskError(RuntimeError):
     """The task broke its contract (docs/EXTENDING.md); the message says how."""
+
+
+class IncompatibleCheckpoint(ValueError):
+    """The newest checkpoint was saved from another model; the message lists what differs."""
+
+
+class CheckpointUnusable(RuntimeError):
+    """No checkpoint in checkpoint.dir can be loaded (or, strictly, not the newest)."""
+
+
+def describe_load_error(exc: BaseException) -> str:
+    """The first line of what went wrong, without DCP's per-rank tracebacks."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}".rstrip(": ")
 
 
 @dataclass(frozen=True)
@@ -87,19 +103,64 @@ class Trainer:
         return training_state(self.model, self.optimizer, self.scheduler, self.progress, rng)
 
     def resume(self, manager: CheckpointManager) -> Committed | None:
-        """Load the newest complete checkpoint, if there is one."""
-        found = [manager.newest() if self.runtime.is_main else None]
-        if self.runtime.world_size > 1:
-            dist.broadcast_object_list(found, src=0)  # every rank loads the same one
-        checkpoint = found[0]
-        if checkpoint is None:
-            return None
+        """Load the newest checkpoint that loads; fall back to older ones, with a warning.
+
+        Every rank loads the same one (rank 0 picks it). A checkpoint of another model is
+        refused (IncompatibleCheckpoint, exit status 2) with what differs. One that fails to
+        load for another reason (damage the checksums could not see, an unsafe
+        ``.metadata``) is skipped for the one before it, unless ``checkpoint.strict_resume``.
+        """
+        shapes = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
+        candidates = manager.candidates() if self.runtime.is_main else iter(())
+        failures: list[str] = []
+        while True:
+            pick: list = [None, [], None]  # checkpoint, what differs, why it is unreadable
+            if self.runtime.is_main:
+                pick[0] = next(candidates, None)
+                if pick[0] is not None:
+                    try:
+                        pick[1] = compat.differences(
+                            compat.saved_model_shapes(manager.storage, pick[0].name), shapes,
+                            pick[0].record.get("config", {}).get("model"), self.cfg.model)
+                    except (OSError, RuntimeError) as exc:  # incl. UnsafeCheckpointError
+                        pick[2] = str(exc)
+            if self.runtime.world_size > 1:
+                dist.broadcast_object_list(pick, src=0)  # every rank loads the same one
+            checkpoint, differences, unreadable = pick
+            if checkpoint is None:
+                if failures:
+                    raise CheckpointUnusable(
+                        f"no checkpoint in {manager.storage} could be loaded "
+                        f"({'; '.join(failures)}); move them away or use another checkpoint.dir")
+                return None
+            if differences:
+                raise IncompatibleCheckpoint(
+                    f"checkpoint {checkpoint.path} was saved from another model: "
+                    + "; ".join(differences) + ". Restore the model: settings it was trained "
+                    "with (its commit.json has them) or use another checkpoint.dir")
+            error = unreadable or self._load(manager, checkpoint)
+            (failed,) = self.stop.any_rank(error is not None)
+            if not failed:
+                self.saves.resumed_from = checkpoint
+                return checkpoint
+            why = f"{checkpoint.path}: {error or 'failed on another rank'}"
+            if self.cfg.checkpoint.strict_resume:
+                raise CheckpointUnusable(f"cannot load checkpoint {why} (checkpoint.strict_resume "
+                                         "is on, so older checkpoints are not tried)")
+            self.metrics.say(f"warning: cannot load checkpoint {why}; trying the one before it")
+            failures.append(why)
+
+    def _load(self, manager: CheckpointManager, checkpoint: Committed) -> str | None:
+        """Load one checkpoint into this run's state; returns why it failed, or None."""
         # RNG streams belong to ranks on one kind of device: they only carry over when
         # the ranks and the device kind do (a CPU save holds no CUDA generator state).
         saved_device = checkpoint.record.get("device_type", "cpu")
         same_streams = (checkpoint.world_size == self.runtime.world_size
                         and saved_device == self.runtime.device.type)
-        manager.load(self.state(with_rng=same_streams), checkpoint)
+        try:
+            manager.load(self.state(with_rng=same_streams), checkpoint)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the caller falls back
+            return describe_load_error(exc)
         if not same_streams:
             torch.manual_seed(rank_seed(self.cfg.train.seed, self.progress.step,
                                         self.runtime.rank))
@@ -107,8 +168,7 @@ class Trainer:
                 f"notice: checkpoint saved on {checkpoint.world_size} {saved_device} rank(s), "
                 f"resuming on {self.runtime.world_size} {self.runtime.device.type} rank(s): "
                 "random streams reseeded from (seed, step, rank)")
-        self.saves.resumed_from = checkpoint
-        return checkpoint
+        return None
 
     def _commit_record(self) -> dict[str, Any]:
         return {

@@ -72,8 +72,10 @@ class CheckpointManager:
     """Saves, commits, retires and loads checkpoints under one root."""
 
     def __init__(self, storage: Storage, *, mode: AsyncMode, keep_last: int,
-                 is_coordinator: bool, device: torch.device, lease: Lease | None = None) -> None:
+                 is_coordinator: bool, device: torch.device, lease: Lease | None = None,
+                 verify: str = "all") -> None:
         self.storage = storage
+        self.verify = str(getattr(verify, "value", verify))  # checkpoint.verify: all|sample|none
         self.lease = lease  # the coordinator's hold on the directory; commits need it
         self.mode = AsyncMode(mode)
         self.keep_last = keep_last
@@ -163,7 +165,11 @@ class CheckpointManager:
                 log.info("removed unfinished %s", self.storage.path(name))
 
     def newest(self) -> layout.Committed | None:
-        return layout.newest_complete_checkpoint(self.storage)
+        return layout.newest_complete_checkpoint(self.storage, verify=self.verify)
+
+    def candidates(self):
+        """Complete, verified checkpoints, newest first, checked as they are asked for."""
+        return layout.verified_newest_first(self.storage, self.verify)
 
     def load(self, state: dict[str, Any], checkpoint: layout.Committed) -> None:
         """Load ``state`` (Stateful objects) in place; DCP reshards to this world size.
