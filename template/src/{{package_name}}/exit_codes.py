@@ -10,3 +10,4 @@ FAILED = 1         # crashed, or a check failed (drill, verify)
 BAD_INPUT = 2      # refused before running: configuration, arguments, a task breaking its contract
 NOT_SAVED = 73     # training ended but its last state is not in a committed checkpoint: run again
 PREEMPTED = 75     # default of preemption.exit_code: EX_TEMPFAIL, "run me again"
+INTERRUPTED = 130  # Ctrl-C (128 + SIGINT): stopped by the user, the state saved first

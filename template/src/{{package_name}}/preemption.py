@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -21,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from .config import NoticeSource, PreemptionConfig
+from .exit_codes import INTERRUPTED as INTERRUPTED_EXIT
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,20 @@ class PreemptionWatch:
 
     def _on_signal(self, signum: int, _frame) -> None:
         # Only record: anything heavier inside a handler can deadlock with the loop.
-        self.request(signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and self._first is not None and self._first.source == "SIGINT":
+            self._second_interrupt()
+        self.request(name)
+
+    @staticmethod
+    def _second_interrupt() -> None:
+        """A second Ctrl-C: leave at once, without the final save (the newest committed
+        checkpoint stays the one to resume from; nothing torn ever counts)."""
+        os.write(2, b"second Ctrl-C: exiting now without a final save; the newest committed "
+                    b"checkpoint stays the one to resume from\n")
+        for child in multiprocessing.active_children():
+            child.kill()
+        os._exit(INTERRUPTED_EXIT)
 
     def request(self, source: str, detail: str = "") -> None:
         """Ask for a stop; later requests are counted but change nothing."""
@@ -81,6 +97,20 @@ DEFAULT_METADATA_URLS = {
     NoticeSource.azure: "http://169.254.169.254",
 }
 HTTP_TIMEOUT_S = 2.0  # a metadata service answers in milliseconds; never stall the poller
+
+# Seconds from a cloud's preemption notice to the machine going away (AWS: two minutes;
+# GCP: 30 s; Azure: at least 30 s). The copy-time checklist flags a longer grace period
+# from the same table (the template's includes/clouds.jinja; its tests compare both).
+NOTICE_WINDOW_S: dict[NoticeSource, float] = {
+    NoticeSource.aws: 120.0, NoticeSource.gcp: 30.0, NoticeSource.azure: 30.0,
+}
+
+
+def effective_grace_s(cfg: PreemptionConfig) -> float:
+    """The grace period to plan the stop against: ``grace_period_s``, but never more than
+    the configured cloud's notice window, after which the machine is gone anyway."""
+    window = NOTICE_WINDOW_S.get(NoticeSource(cfg.notice_source))
+    return cfg.grace_period_s if window is None else min(cfg.grace_period_s, window)
 
 
 class MetadataError(OSError):
@@ -293,6 +323,6 @@ def start_notice_poller(cfg: PreemptionConfig, watch: PreemptionWatch,
 
 
 __all__ = [
-    "AwsNotice", "AzureNotice", "GcpNotice", "MetadataError", "NoticeChecker", "NoticePoller",
-    "PreemptionWatch", "StopRequest", "start_notice_poller",
+    "NOTICE_WINDOW_S", "AwsNotice", "AzureNotice", "GcpNotice", "MetadataError", "NoticeChecker",
+    "NoticePoller", "PreemptionWatch", "StopRequest", "effective_grace_s", "start_notice_poller",
 ]

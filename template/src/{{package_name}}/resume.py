@@ -266,7 +266,8 @@ def exit_status(returncode: int, storage: Storage, before: Committed | None,
                 stopped_by_notice: bool = False,
                 training_status: tuple[int, str] | None = None) -> int:
     """0, ``preemption.exit_code`` when the run was preempted, the status training logged
-    when it refused to run (2) or could not save its last state (73), else torchrun's.
+    when it refused to run (2), could not save its last state (73) or was interrupted by
+    the user (130), else torchrun's.
 
     torchrun exits 1 after any signal, even when the workers saved and stopped cleanly,
     so its status alone cannot tell a preemption from a crash. A run was preempted when
@@ -276,6 +277,12 @@ def exit_status(returncode: int, storage: Storage, before: Committed | None,
     """
     if returncode == 0:
         return 0
+    if training_status is not None and training_status[0] in (
+            exit_codes.BAD_INPUT, exit_codes.NOT_SAVED, exit_codes.INTERRUPTED):
+        status, reason = training_status
+        print(f"resume: training ended with exit status {status}: {reason}", file=sys.stderr,
+              flush=True)
+        return status
     after = newest_complete_checkpoint(storage)
     new_preemption_save = (after is not None and after.record.get("reason") == "preemption"
                            and (before is None or (after.name, after.record)
@@ -288,12 +295,6 @@ def exit_status(returncode: int, storage: Storage, before: Committed | None,
         print(f"resume: preempted ({why}); exit {preemption.exit_code}: run resume again",
               file=sys.stderr, flush=True)
         return preemption.exit_code
-    if training_status is not None and training_status[0] in (exit_codes.BAD_INPUT,
-                                                               exit_codes.NOT_SAVED):
-        status, reason = training_status
-        print(f"resume: training ended with exit status {status}: {reason}", file=sys.stderr,
-              flush=True)
-        return status
     # A negative status means torchrun died of a signal; report it the way shells do.
     return 128 - returncode if returncode < 0 else returncode
 

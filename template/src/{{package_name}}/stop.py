@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class Stopped:
     step: int
     final_step: int | None       # the checkpoint committed at the stop, if any
     resume_step: int | None      # where a restart resumes
+    by_user: bool = False        # Ctrl-C, not a preemption
 
 
 class StopCoordinator:
@@ -40,6 +42,8 @@ class StopCoordinator:
         self.runtime = runtime
         self.metrics = metrics
         self.grace_period_s = grace_period_s
+        # Under torchrun the parent is the launcher; it must outlive its workers.
+        self.launcher_pid = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
 
     @property
     def requested(self) -> bool:
@@ -49,8 +53,12 @@ class StopCoordinator:
         """One small all-reduce at a step boundary, so that every rank decides alike.
 
         Carries the wall-clock time of the earliest stop request on any rank and the most
-        failed saves on any rank.
+        failed saves on any rank. A worker whose launcher (torchrun) has gone asks for a
+        stop here too: workers never train on as orphans.
         """
+        if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
+            self.watch.request("launcher-gone", f"the parent process {self.launcher_pid} "
+                                                "(torchrun) has exited")
         request = self.watch.requested
         earliest = request.wall_time if request is not None else math.inf
         failed = float(failed_saves)
@@ -121,7 +129,9 @@ class StopCoordinator:
         deadline = requested_at + grace
         source, source_rank, detail, rank_steps = self._agreed_source(step)
         in_flight_step = saves.in_flight_step
-        what = source + (f" on rank {source_rank}" if self.runtime.world_size > 1 else "")
+        what = ("interrupted by the user (Ctrl-C; press it again to exit without a final save)"
+                if source == "SIGINT" else source)
+        what += f" on rank {source_rank}" if self.runtime.world_size > 1 else ""
         what += f": {detail}" if detail else ""
         draining = (f", finishing the save of step {in_flight_step} in flight"
                     if in_flight_step is not None else "")
@@ -174,4 +184,5 @@ class StopCoordinator:
             log.warning("the last commit came %.1f s after the request, past the %g s grace "
                         "period: where the platform kills on time it would have been lost",
                         to_commit, grace)
-        return Stopped(step, final.step if final is not None else None, resume_step)
+        return Stopped(step, final.step if final is not None else None, resume_step,
+                       by_user=source == "SIGINT")

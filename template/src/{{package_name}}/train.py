@@ -132,6 +132,10 @@ def _train(cfg: Config, runtime: Runtime, manager: CheckpointManager, stop: Stop
     # or a launcher that ends the job on the first exit could cut the commit off.
     if runtime.world_size > 1:
         dist.barrier()
+    if outcome.status == "interrupted":
+        metrics.say(f"interrupted by the user at step {outcome.step}; exit status "
+                    f"{exit_codes.INTERRUPTED}: run again to resume")
+        return exit_codes.INTERRUPTED, "interrupted by the user"
     if outcome.status == "preempted":
         metrics.say(f"exit status {cfg.preemption.exit_code}: preempted, run again to resume")
         return cfg.preemption.exit_code, "preempted"

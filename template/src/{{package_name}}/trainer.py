@@ -56,7 +56,7 @@ def describe_load_error(exc: BaseException) -> str:
 
 @dataclass(frozen=True)
 class Outcome:
-    status: str                     # "finished", "preempted" or "not_saved"
+    status: str                     # "finished", "preempted", "interrupted" or "not_saved"
     step: int
     detail: str = ""                # for "not_saved": why the last state is not committed
 
@@ -255,6 +255,7 @@ class Trainer:
         self.saves.warm_up(self.stop, self.cfg.checkpoint.start_timeout_s,
                            stage=bool(self.optimizer.state))
         rate = None  # samples/s, smoothed
+        started = time.monotonic()
         # A request that came during start-up (building, resuming) stops before step one.
         stop = self.stop.vote().stop_at
         while stop is None and self.progress.step < max_steps:
@@ -269,24 +270,35 @@ class Trainer:
                                lr=self.optimizer.param_groups[0]["lr"])
             stop = self.saves.maybe_save(step, self.stop)
             if stop is None and (step % self.cfg.log.every_steps == 0 or step == max_steps):
-                self._progress_line(values, rate)
+                self._progress_line(values, rate, time.monotonic() - started)
+        stopped = None
         if isinstance(stop, float):
-            self.stop.stop(self.saves, self.progress.step, stop)
+            stopped = self.stop.stop(self.saves, self.progress.step, stop)
         self.saves.finish(self.stop)
         step = self.progress.step
         if isinstance(stop, SavesFailing):
             return Outcome("not_saved", step, f"{stop.failures} save(s) in a row failed, the "
                            f"last: {stop.reason}")
-        if stop is not None:
-            return Outcome("preempted", step)
+        if stopped is not None:
+            return Outcome("interrupted" if stopped.by_user else "preempted", step)
         if not self.stop.from_rank0(self.saves.committed(step)):
             return Outcome("not_saved", step, f"the final checkpoint of step {step} did not "
                            f"commit ({self.saves.manager.last_error or 'see the log'})")
         return Outcome("finished", step)
 
-    def _progress_line(self, values: dict[str, float], samples_per_s: float) -> None:
+    def _progress_line(self, values: dict[str, float], samples_per_s: float,
+                       elapsed_s: float) -> None:
         extra = "".join(f" | {name} {value:.4g}" for name, value in values.items()
                         if name not in ("loss", "grad_norm"))
+        left = self.cfg.train.max_steps - self.progress.step
+        eta_s = left * self.split.global_batch_size / samples_per_s
         self.metrics.say(f"step {self.progress.step}/{self.cfg.train.max_steps} | "
                          f"loss {values['loss']:.4f}{extra} | {samples_per_s:,.1f} samples/s | "
+                         f"{_clock(elapsed_s)} elapsed, ETA {_clock(eta_s)} | "
                          f"{self.saves.describe_newest()}")
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
