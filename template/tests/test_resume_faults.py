@@ -63,3 +63,11 @@ def test_resume_dry_run_shows_a_checkpoint_of_another_model(run_dirs):
                       check=False)
     assert proc.returncode == 2 and "was saved from another model" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_changed_max_steps_on_resume_is_announced_with_both_learning_rates(run_dirs):
+    run(run_dirs, "train.max_steps=30", "checkpoint.interval_steps=30", "train.warmup_steps=2")
+    proc = run(run_dirs, "train.max_steps=40", "checkpoint.interval_steps=30",
+               "train.warmup_steps=2")
+    assert "train.max_steps is 40, the checkpoint's run had 30" in proc.stdout
+    assert "at step 31 the learning rate is" in proc.stdout

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PACKAGE, finish, project_module, read_events, start, wait_until
+from conftest import PACKAGE, finish, project_module, read_events, run_module, start, wait_until
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "log.every_steps=1000",
          "train.max_steps=100000", "checkpoint.interval_steps=5"]
@@ -103,3 +103,11 @@ def test_workers_stop_when_their_torchrun_dies(run_dirs, tmp_path):
     stop = read_events(logs, "preemption")[-1]
     assert stop["source"] == "launcher-gone"
     assert committed(run_dirs)[-1] == stop["stop_step"]
+
+
+def test_the_grace_period_is_capped_at_the_clouds_notice_window(run_dirs, closed_port_url):
+    proc = run_module("train", *overrides(run_dirs, "train.max_steps=2",
+                                          "checkpoint.async_mode=sync"),
+                      "preemption.notice_source=gcp", "preemption.grace_period_s=45.5",
+                      f"preemption.metadata_url={closed_port_url}")
+    assert "final save is planned against 30 s" in proc.stdout

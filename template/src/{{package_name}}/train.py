@@ -28,7 +28,7 @@ from .checkpoint.storage import StorageError
 from .config import Config, ConfigError, load_config
 from .distributed import Runtime, setup, teardown
 from .metrics import Event, MetricsLog
-from .preemption import PreemptionWatch, start_notice_poller
+from .preemption import PreemptionWatch, effective_grace_s, start_notice_poller
 from .sampling import BatchSizeError
 from .stop import StopCoordinator
 from .task_contract import load_task
@@ -68,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
                                 keep_last=cfg.checkpoint.keep_last,
                                 is_coordinator=runtime.is_main, device=runtime.device, lease=lease,
                                 verify=cfg.checkpoint.verify)
-    stop = StopCoordinator(watch, runtime, metrics, cfg.preemption.grace_period_s)
+    grace = effective_grace_s(cfg.preemption)
+    if grace < cfg.preemption.grace_period_s:
+        metrics.say(f"notice: preemption.grace_period_s={cfg.preemption.grace_period_s:g} is "
+                    f"longer than {cfg.preemption.notice_source.value}'s notice window; the "
+                    f"final save is planned against {grace:g} s")
+    stop = StopCoordinator(watch, runtime, metrics, grace)
     try:
         code, reason = _train(cfg, runtime, manager, stop, metrics)
         metrics.event(Event.end, status=code, reason=reason)

@@ -28,7 +28,7 @@ from .distributed import Runtime, set_gradient_sync, to_device, wrap_model
 from .metrics import Event, MetricsLog
 from .sampling import GlobalBatchSampler, RankMicroBatches, split_global_batch
 from .stop import StopCoordinator
-from .task_contract import Task
+from .task_contract import Task, default_optimizer, lr_factor
 
 # Names the harness writes in every step event; a task's metrics may not reuse them.
 STEP_FIELDS = ("event", "time", "step", "loss", "grad_norm", "lr", "step_time_s",
@@ -142,6 +142,7 @@ class Trainer:
             (failed,) = self.stop.any_rank(error is not None)
             if not failed:
                 self.saves.resumed_from = checkpoint
+                self._warn_if_schedule_changed(checkpoint)
                 return checkpoint
             why = f"{checkpoint.path}: {error or 'failed on another rank'}"
             if self.cfg.checkpoint.strict_resume:
@@ -149,6 +150,26 @@ class Trainer:
                                          "is on, so older checkpoints are not tried)")
             self.metrics.say(f"warning: cannot load checkpoint {why}; trying the one before it")
             failures.append(why)
+
+    def _warn_if_schedule_changed(self, checkpoint: Committed) -> None:
+        """The default schedule is a function of train.max_steps: changing it on resume
+        redraws the learning rate from the next step on. Say so, with both values."""
+        saved = checkpoint.record.get("config", {}).get("train", {})
+        train = self.cfg.train
+        if (self.task.build_optimizer is not default_optimizer
+                or saved.get("max_steps") in (None, train.max_steps)):
+            return
+        step = self.progress.step
+        before = train.lr * lr_factor(step, saved.get("warmup_steps", train.warmup_steps),
+                                      saved["max_steps"],
+                                      saved.get("min_lr_ratio", train.min_lr_ratio))
+        after = train.lr * lr_factor(step, train.warmup_steps, train.max_steps,
+                                     train.min_lr_ratio)
+        self.metrics.say(
+            f"warning: train.max_steps is {train.max_steps}, the checkpoint's run had "
+            f"{saved['max_steps']}: the learning-rate schedule is redrawn, at step {step + 1} "
+            f"the learning rate is {after:.3g} instead of {before:.3g}. To continue the saved "
+            f"run exactly, keep train.max_steps={saved['max_steps']}")
 
     def _load(self, manager: CheckpointManager, checkpoint: Committed) -> str | None:
         """Load one checkpoint into this run's state; returns why it failed, or None."""
