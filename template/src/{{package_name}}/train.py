@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # torch's own INFO chatter stays off the console
+        handler.addFilter(lambda r: r.levelno >= logging.WARNING or "torch" not in r.pathname)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:

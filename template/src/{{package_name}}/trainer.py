@@ -8,6 +8,7 @@ hands the state to the save policy once per step. When to save lives in
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -274,7 +275,9 @@ class Trainer:
         max_steps = self.cfg.train.max_steps
         batches = self._micro_batches()
         self.saves.warm_up(self.stop, self.cfg.checkpoint.start_timeout_s,
-                           stage=bool(self.optimizer.state))
+                           stage=bool(self.optimizer.state),
+                           process_log=os.path.join(self.cfg.log.dir, "checkpoint-process."
+                                                    f"rank{self.runtime.rank}.log"))
         rate = None  # samples/s, smoothed
         started = time.monotonic()
         # A request that came during start-up (building, resuming) stops before step one.

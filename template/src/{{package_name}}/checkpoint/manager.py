@@ -9,10 +9,12 @@ step), and ``poll`` at every step so that a finished save is committed promptly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -106,7 +108,8 @@ class CheckpointManager:
         self.last_error: str | None = None
 
     # ---------------------------------------------------------------- startup --
-    def warm_up(self, state: dict[str, Any] | None, timeout_s: float) -> str | None:
+    def warm_up(self, state: dict[str, Any] | None, timeout_s: float,
+                process_log: str | None = None) -> str | None:
         """Start the background checkpoint process and allocate the staging buffers now.
 
         Then the first save of the run costs what later ones do, and a checkpoint process
@@ -124,7 +127,8 @@ class CheckpointManager:
                 if isinstance(staged, Future):
                     staged.result(timeout=timeout_s)
             if self.mode == AsyncMode.process:
-                self._start_checkpoint_process(timeout_s)
+                with _stderr_to(process_log):  # DCP's process logs at INFO to its stderr
+                    self._start_checkpoint_process(timeout_s)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported, then sync
             self._abandoned = True  # a half-started process may still hold a thread
             return self.record_failure(None, exc, "the background checkpoint process did not start")
@@ -349,6 +353,27 @@ class CheckpointManager:
             self._stager.close()
         self._stager = None
         return result
+
+
+@contextlib.contextmanager
+def _stderr_to(path: str | None):
+    """Point file descriptor 2 at ``path`` while a child process is started, so that the
+    child's own log lines go to that file and not to the console."""
+    if path is None:
+        yield
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(target, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(target)
 
 
 class _StartPlanner(dcp.DefaultSavePlanner):

@@ -80,7 +80,8 @@ class SavePolicy:
     def due(self, step: int) -> bool:
         return step == self.final_step or step % self.interval_steps == 0
 
-    def warm_up(self, boundary: StepBoundary, timeout_s: float, *, stage: bool) -> None:
+    def warm_up(self, boundary: StepBoundary, timeout_s: float, *, stage: bool,
+                process_log: str | None = None) -> None:
         """Start the background checkpoint process before the first step (all ranks).
 
         ``stage`` also allocates the staging buffers, from the state as it is: only once
@@ -88,7 +89,8 @@ class SavePolicy:
         for its state dict initialises it with a step of its own.
         """
         began = time.perf_counter()
-        failure = self.manager.warm_up(self._state() if stage else None, timeout_s)
+        failure = self.manager.warm_up(self._state() if stage else None, timeout_s,
+                                       process_log)
         (failed_somewhere,) = boundary.any_rank(failure is not None)
         if failed_somewhere:
             self._go_synchronous(self.progress_step(), "the background checkpoint process did "
