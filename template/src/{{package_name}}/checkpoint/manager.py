@@ -68,6 +68,7 @@ class _InFlight:
     staging: Future | None
     handed_off: float = 0.0           # perf_counter() when DCP got the state
     written: float | None = None      # perf_counter() when the upload finished
+    committed: Future | None = None   # the coordinator's commit, run once the upload is done
 
 
 class CheckpointManager:
@@ -240,7 +241,11 @@ class CheckpointManager:
             upload, staging = response, None
         inflight = _InFlight(step, reason, record, started, time.perf_counter() - started,
                              upload, staging, handed_off)
-        upload.add_done_callback(lambda _: setattr(inflight, "written", time.perf_counter()))
+        if self.is_coordinator:
+            inflight.committed = Future()
+            upload.add_done_callback(lambda done: self._commit_when_written(inflight, done))
+        else:
+            upload.add_done_callback(lambda _: setattr(inflight, "written", time.perf_counter()))
         self._inflight = inflight
         return None
 
@@ -255,9 +260,16 @@ class CheckpointManager:
 
     def poll(self) -> SaveResult | None:
         """Commit the in-flight save if it has finished; never blocks."""
-        if self._inflight is not None and self._inflight.upload.done():
+        inflight = self._inflight
+        if inflight is not None and all(f.done() for f in self._finishing(inflight)):
             return self._finish()
         return None
+
+    @staticmethod
+    def _finishing(inflight: _InFlight) -> list[Future]:
+        """What must be done before a save can be handed over: staging, upload, commit."""
+        return [f for f in (inflight.staging, inflight.upload, inflight.committed)
+                if f is not None]
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Block until the in-flight save (if any) is written, then commit it.
@@ -269,13 +281,13 @@ class CheckpointManager:
         if self._inflight is None:
             return None
         if timeout is not None:
-            pending = [f for f in (self._inflight.staging, self._inflight.upload) if f is not None]
+            pending = self._finishing(self._inflight)
             _, not_done = futures.wait(pending, timeout=max(0.0, timeout))
             if not_done:
                 raise TimeoutError(f"the save of step {self._inflight.step} was not written "
                                    f"within {max(0.0, timeout):.1f} s")
         self.wait_staged()
-        futures.wait([self._inflight.upload])  # errors are reported by _finish
+        futures.wait(self._finishing(self._inflight))  # errors are reported by _finish
         return self._finish()
 
     def abandon(self, why: str = "") -> int | None:
@@ -312,6 +324,30 @@ class CheckpointManager:
             return None
         if not self.is_coordinator:
             return None
+        try:
+            result = (inflight.committed.result(timeout=0) if inflight.committed is not None
+                      else self._commit(inflight, mode))
+        except _NotCommitted as exc:
+            self.record_failure(inflight.step, exc.__cause__, str(exc))
+            return None
+        self.last_committed = result
+        return result
+
+    def _commit_when_written(self, inflight: _InFlight, upload: Future) -> None:
+        """Run in DCP's upload thread as soon as the shards are written (coordinator): the
+        commit, its checksums and the retirement of old checkpoints stay off the training
+        thread. ``poll`` hands the result over."""
+        inflight.written = time.perf_counter()
+        try:
+            if upload.exception() is None:
+                inflight.committed.set_result(self._commit(inflight, None))
+            else:
+                inflight.committed.set_exception(_NotCommitted("was not written"))
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            inflight.committed.set_exception(exc)
+
+    def _commit(self, inflight: _InFlight, mode: AsyncMode | None) -> SaveResult:
+        """Write commit.json (with checksums) and retire old checkpoints; raises _NotCommitted."""
         latency = time.perf_counter() - inflight.started
         write_s = (inflight.written or time.perf_counter()) - inflight.handed_off
         record = {
@@ -325,24 +361,21 @@ class CheckpointManager:
             "torch_version": torch.__version__,
         }
         if self.lease is not None and not self.lease.held:
-            self.record_failure(inflight.step, None, "was written but not committed: another "
-                                "job has taken over the checkpoint directory (see the log)")
-            return None
+            raise _NotCommitted("was written but not committed: another job has taken over "
+                                "the checkpoint directory (see the log)")
         try:
             committed = layout.commit(self.storage, inflight.step, record)
         except (OSError, RuntimeError) as exc:
-            self.record_failure(inflight.step, exc, "was written but not committed")
-            return None
+            raise _NotCommitted("was written but not committed") from exc
         try:
             removed = layout.retire_old(self.storage, self.keep_last)
         except OSError as exc:  # the new checkpoint is safe; old ones just linger
             log.warning("could not remove old checkpoints: %s", exc)
             removed = []
-        result = SaveResult(inflight.step, inflight.reason, (mode or self.mode).value,
-                            inflight.blocking_s,
-                            latency, committed.path, removed, write_s)
-        self.last_committed = result
-        return result
+        # The latency a caller sees ends at the commit, wherever it ran.
+        latency = time.perf_counter() - inflight.started
+        return SaveResult(inflight.step, inflight.reason, (mode or self.mode).value,
+                          inflight.blocking_s, latency, committed.path, removed, write_s)
 
     def close(self) -> SaveResult | None:
         """Finish the in-flight save and release the staging buffers."""
@@ -374,6 +407,10 @@ def _stderr_to(path: str | None):
         os.dup2(saved, 2)
         os.close(saved)
         os.close(target)
+
+
+class _NotCommitted(RuntimeError):
+    """A written save could not be committed; the message says what happened to it."""
 
 
 class _StartPlanner(dcp.DefaultSavePlanner):
