@@ -35,7 +35,7 @@ def test_commit_writes_commit_file_last_and_renames_into_place(tmp_path, ckpt):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000005"]
     record = json.loads((tmp_path / "step_000000005" / "commit.json").read_text())
     shard = tmp_path / "step_000000005" / "__0_0.distcp"
-    assert record["step"] == 5 and record["files"]["__0_0.distcp"] == shard.stat().st_size
+    assert record["step"] == 5 and record["files"]["__0_0.distcp"]["size"] == shard.stat().st_size
     assert committed_steps(layout, storage) == [5]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,13 @@ from typing import Any, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from . import exit_codes
+
 DEFAULT_CONFIG = Path("configs/train.yaml")
+# checkpoint.dir may be a path, a file:// URL or an object-store URL with one of these
+# schemes (read through fsspec; copier.yml's checkpoint_dir question accepts the same).
+OBJECT_STORE_SCHEMES = ("s3", "gs", "gcs", "az", "abfs", "abfss")
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 class ConfigError(ValueError):
@@ -30,6 +37,12 @@ class AsyncMode(str, enum.Enum):
     sync = "sync"
 
 
+class VerifyMode(str, enum.Enum):
+    all = "all"        # checksum every byte of the checkpoint before loading it
+    sample = "sample"  # small files whole, a part of each large one (checkpoint/integrity.py)
+    none = "none"      # file sizes only
+
+
 class Parallelism(str, enum.Enum):
     fsdp = "fsdp"
     ddp = "ddp"
@@ -38,6 +51,11 @@ class Parallelism(str, enum.Enum):
 class Precision(str, enum.Enum):
     fp32 = "fp32"
     bf16 = "bf16"   # CUDA only: bf16 parameters and compute, fp32 gradient reduction
+
+
+class OnSaveError(str, enum.Enum):
+    stop = "stop"          # the first failed save stops training (exit status 73)
+    keep = "keep"          # keep training for up to checkpoint.max_failed_saves failures in a row
 
 
 class NoticeSource(str, enum.Enum):
@@ -100,19 +118,39 @@ class CheckpointConfig:
     interval_steps: int = 100
     keep_last: int = 3
     async_mode: AsyncMode = AsyncMode.process
+    verify: VerifyMode = VerifyMode.all   # checksums checked before a checkpoint is loaded
+    on_error: OnSaveError = OnSaveError.keep
+    max_failed_saves: int = 3       # failed saves in a row before training stops (on_error: keep)
+    wait_timeout_s: float = 600.0   # longest wait for a save in flight before giving it up
+    start_timeout_s: float = 120.0  # longest wait for the background checkpoint process to start
+    strict_resume: bool = False     # a checkpoint that fails to load stops the run (no fallback)
+    lease_stale_s: float = 120.0    # another job's lease without a heartbeat this long is taken over
+    lease_wait_s: float = 60.0      # how long a start waits for a live lease to be released
 
     def __post_init__(self) -> None:
         _require(bool(self.dir.strip()), "checkpoint.dir", "must not be empty", self.dir)
+        url = _URL.match(self.dir)
+        if url:
+            _require(url.group(1) in ("file", *OBJECT_STORE_SCHEMES), "checkpoint.dir",
+                     "must be a path, a file:// URL or an object-store URL with scheme "
+                     f"{', '.join(s + '://' for s in OBJECT_STORE_SCHEMES)} (lower case)",
+                     self.dir)
         _require(self.interval_steps >= 1, "checkpoint.interval_steps", "must be >= 1",
                  self.interval_steps)
         _require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", self.keep_last)
+        _require(self.max_failed_saves >= 1, "checkpoint.max_failed_saves", "must be >= 1",
+                 self.max_failed_saves)
+        for key in ("wait_timeout_s", "start_timeout_s", "lease_stale_s", "lease_wait_s"):
+            value = getattr(self, key)
+            _require(math.isfinite(value) and value > 0, f"checkpoint.{key}",
+                     "must be a finite number of seconds > 0", value)
 
 
 @dataclass
 class PreemptionConfig:
     signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     grace_period_s: float = 30.0
-    exit_code: int = 75
+    exit_code: int = exit_codes.PREEMPTED
     notice_source: NoticeSource = NoticeSource.none
     metadata_url: str = ""
     poll_interval_s: float = 5.0
@@ -123,11 +161,14 @@ class PreemptionConfig:
                      "preemption.signals", "must name signals such as SIGTERM or SIGUSR1", name)
             _require(name not in ("SIGKILL", "SIGSTOP"), "preemption.signals",
                      "cannot include a signal that cannot be caught", name)
-        _require(self.grace_period_s > 0, "preemption.grace_period_s", "must be > 0",
+        _require(math.isfinite(self.grace_period_s) and 0 < self.grace_period_s <= 86400,
+                 "preemption.grace_period_s", "must be a finite number of seconds in (0, 86400]",
                  self.grace_period_s)
-        _require(3 <= self.exit_code <= 127, "preemption.exit_code",
-                 "must be in 3..127 (0 finished, 1 crashed, 2 bad configuration, 128+ killed "
-                 "by a signal)", self.exit_code)
+        _require(3 <= self.exit_code <= 127 and self.exit_code != exit_codes.NOT_SAVED,
+                 "preemption.exit_code",
+                 f"must be in 3..127 and not {exit_codes.NOT_SAVED} (0 finished, 1 crashed, "
+                 f"2 bad configuration, {exit_codes.NOT_SAVED} last state not saved, 128+ "
+                 "killed by a signal)", self.exit_code)
         _require(self.poll_interval_s > 0, "preemption.poll_interval_s", "must be > 0",
                  self.poll_interval_s)
         _require(self.metadata_url == "" or self.metadata_url.startswith(("http://", "https://")),
@@ -171,6 +212,9 @@ class PlanConfig:
                  self.badput_target_percent)
 
 
+TASK_SECTIONS = ("model", "data")  # the task's own sections (task.py reads them)
+
+
 @dataclass
 class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -196,6 +240,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, value = item.split("=", 1)
+        _check_override_key(key)
+        if not value and key.split(".")[0] not in TASK_SECTIONS:
+            raise ConfigError(f"{key}: no value given (write {key}=VALUE)")
     try:
         merged = OmegaConf.merge(
             OmegaConf.structured(Config),
@@ -208,6 +256,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         message = str(exc).split("\n")[0].strip()
         key = getattr(exc, "full_key", None)
         raise ConfigError(f"{key}: {message}" if key and key not in message else message) from None
+
+
+def _check_override_key(key: str) -> None:
+    """Name the section of a key given without one (``max_steps`` -> ``train.max_steps``)."""
+    if "." in key:
+        return
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    if key in sections:
+        return
+    owners = [name for name, section in ((f.name, f.default_factory) for f in
+                                         dataclasses.fields(Config))
+              if name not in TASK_SECTIONS and key in {g.name for g in
+                                                        dataclasses.fields(section())}]
+    hint = (f"did you mean {' or '.join(f'{o}.{key}' for o in owners)}?" if owners
+            else f"keys are section.name, sections: {', '.join(sections)}")
+    raise ConfigError(f"{key}: not a key of the configuration; {hint}")
 
 
 def to_plain_dict(config: Config) -> dict:
@@ -241,3 +305,19 @@ def task_section(values: dict[str, Any], schema: type[Section], prefix: str,
         key = getattr(exc, "full_key", None)
         where = f"{prefix}.{key}" if key else prefix
         raise ConfigError(f"{where}: {message}") from None
+
+
+def task_section_of_kind(values: dict[str, Any], kinds: dict[str, type], prefix: str,
+                         default: str, ignore: tuple[str, ...] = ()) -> tuple[str, Any]:
+    """``task_section`` for a section whose ``kind`` key chooses one of several dataclasses.
+
+    Returns the kind and its checked section. The other kinds' keys may stay in the
+    section (configs/train.yaml lists them all) and are left unchecked; a key of no kind
+    is refused like any unknown key.
+    """
+    kind = values.get("kind", default)
+    if kind not in kinds:
+        raise ConfigError(f"{prefix}.kind must be one of {', '.join(kinds)} (got {kind!r})")
+    own = {f.name for f in dataclasses.fields(kinds[kind])}
+    others = {f.name for schema in kinds.values() for f in dataclasses.fields(schema)} - own
+    return kind, task_section(values, kinds[kind], prefix, ignore=("kind", *others, *ignore))

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import DistributedConfig, Parallelism
+from .config import Config, ConfigError, DistributedConfig, Parallelism, Precision
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,9 @@ def setup(cfg: DistributedConfig) -> Runtime:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    # DCP's background checkpoint processes then share this job's store (under a prefix)
+    # instead of opening an unauthenticated TCPStore of their own on every interface.
+    os.environ.setdefault("DCP_USE_PREFIX_STORE", "1")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and cfg.backend != "gloo"
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
@@ -64,23 +67,57 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def wrap_model(model: nn.Module, units: list[nn.Module], cfg: DistributedConfig,
+def wrap_model(model: nn.Module, units: list[nn.Module], cfg: Config,
                runtime: Runtime) -> nn.Module:
-    """Shard the model with FSDP2 (each unit, then the root) or replicate it with DDP."""
+    """Shard the model with FSDP2 (each unit, then the root) or replicate it with DDP.
+
+    ``train.activation_checkpointing`` recomputes each unit's activations in the backward
+    pass instead of keeping them. ``train.precision=bf16`` (CUDA and FSDP2 only) computes
+    in bf16 and reduces gradients in fp32; the weights and optimizer state stay fp32.
+    """
+    bf16 = cfg.train.precision == Precision.bf16
+    if bf16 and runtime.device.type != "cuda":
+        raise ConfigError(f"train.precision=bf16 needs CUDA (this run is on "
+                          f"{runtime.device.type}); use train.precision=fp32")
+    if bf16 and cfg.distributed.parallelism != Parallelism.fsdp:
+        raise ConfigError("train.precision=bf16 needs distributed.parallelism=fsdp (FSDP2's "
+                          "mixed precision)")
     model.to(runtime.device)
-    if cfg.parallelism == Parallelism.fsdp:
+    if cfg.train.activation_checkpointing:
+        for unit in units:
+            checkpoint_activations(unit)
+    if cfg.distributed.parallelism == Parallelism.fsdp:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if bf16 else MixedPrecisionPolicy())
         for unit in units:
-            fully_shard(unit, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [runtime.local_rank] if runtime.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids)
+
+
+def checkpoint_activations(module: nn.Module) -> None:
+    """Recompute ``module``'s activations in the backward pass instead of storing them.
+
+    Its forward runs under ``torch.utils.checkpoint`` (non-reentrant, random state
+    preserved, so results are unchanged). The module stays where it is: parameter names,
+    and with them checkpoints, are the same with and without.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.forward
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed
 
 
 def set_gradient_sync(model: nn.Module, parallelism: Parallelism, enabled: bool) -> None:

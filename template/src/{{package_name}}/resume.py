@@ -283,7 +283,7 @@ def exit_status(returncode: int, storage: Storage, before: Committed | None,
         print(f"resume: training ended with exit status {status}: {reason}", file=sys.stderr,
               flush=True)
         return status
-    after = newest_complete_checkpoint(storage)
+    after = newest_complete_checkpoint(storage, verify="none")  # sizes: quick, in the grace
     new_preemption_save = (after is not None and after.record.get("reason") == "preemption"
                            and (before is None or (after.name, after.record)
                                 != (before.name, before.record)))

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from . import exit_codes
 from .checkpoint import CheckpointManager, open_storage
+from .checkpoint.background import stop_background_processes
 from .checkpoint.layout import check_storage
 from .checkpoint.lease import Lease, LeaseHeld
-from .checkpoint.manager import stop_background_processes
 from .checkpoint.storage import StorageError
 from .config import Config, ConfigError, load_config
 from .distributed import Runtime, setup, teardown

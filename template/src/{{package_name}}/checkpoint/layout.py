@@ -3,31 +3,35 @@
     <root>/step_000000120/          a committed checkpoint
         .metadata                   DCP's global tensor layout (written by the coordinator)
         __0_0.distcp, __1_0.distcp  one shard file per rank
-        commit.json                 written last; lists every file with its size
+        commit.json                 written last; lists every file with its size and checksum
     <root>/step_000000130.tmp/      a save in progress (local filesystems only)
     <root>/step_000000100.deleting/ an old checkpoint being removed
 
 A checkpoint counts only when ``commit.json`` exists, parses, and every file it lists
-is present with the recorded size. On a filesystem with atomic rename the directory is
-also written under ``.tmp`` and renamed after the commit file, so a ``step_*``
-directory is complete or absent; on object stores the commit file alone decides.
+is present with the recorded size; before one is loaded, its files are also checked
+against the checksums recorded there (``integrity``). On a filesystem with atomic
+rename the directory is also written under ``.tmp`` and renamed after the commit file,
+so a ``step_*`` directory is complete or absent; on object stores the commit file
+alone decides.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from .storage import Storage
+from . import integrity, safe_load
+from .storage import Storage, StorageError, check_space, human_bytes, probe
 
 log = logging.getLogger(__name__)
 
 COMMIT_FILE = "commit.json"
 METADATA_FILE = ".metadata"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: "files" maps each name to {"size", "crc32"} (1: to its size)
 _NAME = re.compile(r"^step_(\d{9})$")
 _LEFTOVER = re.compile(r"^step_\d{9}\.(tmp|deleting)$")
 
@@ -91,7 +95,13 @@ def commit(storage: Storage, step: int, record: dict[str, Any]) -> Committed:
             f"cannot commit {storage.path(work)}: {', '.join(missing)} not visible to rank 0; "
             "checkpoint.dir must be storage that all ranks share")
     files.pop(COMMIT_FILE, None)
-    record = {**record, "step": step, "format_version": FORMAT_VERSION, "files": files}
+    # Read back and checksummed here, once every rank has written: what a later load
+    # compares against. On a local disk the files are still in the page cache.
+    names = sorted(files)
+    entries = dict(zip(names, integrity.parallel_map(
+        lambda name: integrity.checksum_entry(storage, f"{work}/{name}", files[name]), names)))
+    record = {**record, "step": step, "format_version": FORMAT_VERSION, "files": entries,
+              **integrity.record_fields()}
     storage.write_text_durable(f"{work}/{COMMIT_FILE}", json.dumps(record, indent=1) + "\n")
     final = step_name(step)
     if work != final:
@@ -114,8 +124,10 @@ def _verify(storage: Storage, name: str, step: int) -> tuple[dict[str, Any] | No
         return None, f"{COMMIT_FILE} does not describe step {step}"
     if not isinstance(record.get("world_size"), int) or record["world_size"] < 1:
         return None, f"{COMMIT_FILE} has no valid world_size"
-    files = record.get("files")
-    if not isinstance(files, dict) or METADATA_FILE not in files:
+    files = integrity.file_sizes(record)
+    if files is None:
+        return None, f"{COMMIT_FILE} has no valid list of files"
+    if METADATA_FILE not in files:
         return None, f"{COMMIT_FILE} lists no {METADATA_FILE}"
     for file_name, size in files.items():
         actual = storage.size(f"{name}/{file_name}")
@@ -143,18 +155,140 @@ def list_committed(storage: Storage, *, warn: bool = True) -> list[Committed]:
     return list(_complete_newest_first(storage, warn=warn))[::-1]
 
 
-def newest_complete_checkpoint(storage: Storage) -> Committed | None:
-    """The checkpoint to resume from; older ones are not even read."""
-    return next(_complete_newest_first(storage, warn=True), None)
+def newest_complete_checkpoint(storage: Storage, *, verify: str = "all") -> Committed | None:
+    """The checkpoint to resume from: the newest complete one whose files match their checksums.
+
+    ``verify`` is ``checkpoint.verify``: ``all`` reads every file, ``sample`` a part of
+    each large one, ``none`` trusts the sizes. A checkpoint that fails is skipped with a
+    warning naming the file, and the one before it is tried; older ones are not read.
+    """
+    return next(verified_newest_first(storage, verify), None)
 
 
-def retire_old(storage: Storage, keep_last: int) -> list[str]:
+def verified_newest_first(storage: Storage, verify: str = "all"):
+    """Complete checkpoints whose files match their checksums, newest first, checked one at
+    a time as the caller asks for the next (a load that fails falls back to the next)."""
+    for checkpoint in _complete_newest_first(storage, warn=True):
+        check = integrity.check_contents(storage, checkpoint.name, checkpoint.record, verify)
+        if check.problem:
+            log.warning("skipping checkpoint %s: %s", checkpoint.path, check.problem)
+            continue
+        if check.unverified:
+            log.warning("note: checkpoint %s has no checksums in its %s (an older version "
+                        "committed it): its file sizes are checked, its contents are not",
+                        checkpoint.path, COMMIT_FILE)
+        yield checkpoint
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One checkpoint checked in full (``python -m <package>.verify``)."""
+
+    name: str
+    step: int
+    files: int
+    bytes: int
+    checked_bytes: int
+    status: str          # ok | unverified (no checksums recorded) | uncommitted | FAILED
+    reason: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "FAILED"
+
+
+def verify_checkpoint(storage: Storage, name: str, verify: str = "all") -> Verdict:
+    """Check one ``step_*`` checkpoint: commit file, sizes, checksums, a loadable .metadata.
+
+    A directory without commit.json is "uncommitted" (an unfinished save, never loaded),
+    not a failure; everything that would make discovery skip it is.
+    """
+    match = _NAME.match(name)
+    if not match:
+        raise ValueError(f"{storage.path(name)} is not a checkpoint (step_<9 digits>)")
+    step = int(match.group(1))
+    record, problem = _verify(storage, name, step)
+    if record is None:
+        status = "uncommitted" if problem.startswith(f"no {COMMIT_FILE}") else "FAILED"
+        return Verdict(name, step, 0, 0, 0, status, problem)
+    check = integrity.check_contents(storage, name, record, verify)
+    verdict = Verdict(name, step, check.files, check.bytes, check.checked_bytes,
+                      "unverified" if check.unverified else "ok",
+                      f"{COMMIT_FILE} has no checksums (an older version committed it)"
+                      if check.unverified else "")
+    if check.problem:
+        return dataclasses.replace(verdict, status="FAILED", reason=check.problem)
+    try:
+        with storage.open_read(f"{name}/{METADATA_FILE}") as handle:
+            safe_load.load_metadata(handle, storage.path(f"{name}/{METADATA_FILE}"))
+    except (safe_load.UnsafeCheckpointError, OSError) as exc:
+        return dataclasses.replace(verdict, status="FAILED", reason=str(exc))
+    return verdict
+
+
+def checkpoint_names(storage: Storage) -> list[str]:
+    """Every ``step_*`` name under the root, committed or not, oldest first."""
+    return sorted(n for n in storage.list_names() if _NAME.match(n))
+
+
+def space_needed(storage: Storage, keep_last: int) -> tuple[int | None, str]:
+    """Free space the next saves need, estimated from the newest checkpoint's files.
+
+    Up to ``keep_last`` committed checkpoints stay while one more is written, so the
+    root holds ``keep_last + 1`` at most; what the committed ones already take counts
+    as held. Returns (bytes still needed, how that was computed), or (None, reason)
+    when there is no checkpoint to measure yet.
+    """
+    committed = list_committed(storage, warn=False)
+    if not committed:
+        return None, "no checkpoint to measure yet"
+    sizes = [sum((integrity.file_sizes(c.record) or {}).values()) for c in committed]
+    one = sizes[-1]
+    held = sum(sizes[-keep_last:])
+    needed = max(one, one * (keep_last + 1) - held)
+    return needed, (f"checkpoint.keep_last={keep_last} + 1 checkpoints of {human_bytes(one)} "
+                    f"each, less {human_bytes(held)} held already")
+
+
+def check_storage(storage: Storage, keep_last: int, *, is_coordinator: bool) -> None:
+    """The start-up storage check, run by the coordinator, its verdict shared by all ranks.
+
+    Raises StorageError (one sentence: checkpoint.dir and the cause) on every rank when
+    the root cannot be created, written or renamed in, lacks the free space the next
+    saves need (``space_needed``), or an object store refuses the credentials or has no
+    such bucket. Call it before building the model: failing here costs seconds, not the
+    compute until the first save.
+    """
+    import torch.distributed as dist
+
+    verdict: list[str | None] = [None]
+    if is_coordinator:
+        try:
+            probe(storage)  # first: listing a root that is a file or lacks credentials fails
+            check_space(storage, *space_needed(storage, keep_last))
+        except StorageError as exc:
+            verdict[0] = str(exc)
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait for a verdict
+            verdict[0] = (f"checkpoint.dir={storage} could not be checked: "
+                          f"{type(exc).__name__}: {exc}")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise StorageError(verdict[0])
+
+
+def retire_old(storage: Storage, keep_last: int, *, up_to: int | None = None) -> list[str]:
     """Remove all but the newest ``keep_last`` committed checkpoints; returns their names.
 
-    A half-deleted checkpoint never looks complete (see ``_discard``).
+    With ``up_to`` (the step just committed), checkpoints of later steps neither count
+    nor go: they were left by a run this one did not resume from (skipped as damaged,
+    or refused), and counting them would retire the saves this run makes until it
+    passes their step. A half-deleted checkpoint never looks complete (see ``_discard``).
     """
     removed = []
-    for old in list_committed(storage, warn=False)[:-keep_last]:
+    committed = [c for c in list_committed(storage, warn=False)
+                 if up_to is None or c.step <= up_to]
+    for old in committed[:-keep_last]:
         _discard(storage, old.name)
         removed.append(old.name)
     return removed

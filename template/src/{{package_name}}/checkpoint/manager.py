@@ -9,15 +9,8 @@ step), and ``poll`` at every step so that a finished save is committed promptly.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import multiprocessing
-import os
-import shutil
-import sys
-import tempfile
 import time
-import uuid
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -34,8 +27,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..config import AsyncMode
 from . import layout
+from .background import start_checkpoint_process, stderr_to
 from .lease import Lease
-from .storage import Storage
+from .storage import Storage, describe_save_error
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +79,7 @@ class CheckpointManager:
         self.is_coordinator = is_coordinator
         # One planner for the whole run: with plan caching, saves after the first reuse
         # the global save plan instead of negotiating it again across ranks.
-        self._planner = dcp.DefaultSavePlanner(enable_plan_caching=True)
+        self._planner = TrainingStatePlanner(enable_plan_caching=True)
         self._stager = None
         if self.mode != AsyncMode.sync:
             on_gpu = device.type == "cuda"
@@ -128,33 +122,12 @@ class CheckpointManager:
                 if isinstance(staged, Future):
                     staged.result(timeout=timeout_s)
             if self.mode == AsyncMode.process:
-                with _stderr_to(process_log):  # DCP's process logs at INFO to its stderr
-                    self._start_checkpoint_process(timeout_s)
+                with stderr_to(process_log):  # DCP's process logs at INFO to its stderr
+                    start_checkpoint_process(timeout_s, self.is_coordinator)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported, then sync
             self._abandoned = True  # a half-started process may still hold a thread
             return self.record_failure(None, exc, "the background checkpoint process did not start")
         return None
-
-    def _start_checkpoint_process(self, timeout_s: float) -> None:
-        """One tiny save through DCP's process checkpointer spawns its process and group."""
-        name = [f"dcp-start-{uuid.uuid4().hex}" if self.is_coordinator else None]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(name, src=0)
-        scratch = os.path.join(tempfile.gettempdir(), name[0])
-        os.makedirs(scratch, exist_ok=True)
-        try:
-            response = dcp.async_save({"start": torch.zeros(1)},
-                                      storage_writer=dcp.FileSystemWriter(scratch),
-                                      planner=_StartPlanner(),
-                                      async_checkpointer_type=AsyncCheckpointerType.PROCESS)
-            upload = response.upload_completion if isinstance(response, AsyncSaveResponse) \
-                else response
-            upload.result(timeout=timeout_s)
-        except futures.TimeoutError:
-            raise TimeoutError(f"the background checkpoint process did not start within "
-                               f"{timeout_s:g} s (checkpoint.start_timeout_s)") from None
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
 
     @property
     def abandoned(self) -> bool:
@@ -305,7 +278,7 @@ class CheckpointManager:
 
     def record_failure(self, step: int | None, exc: BaseException | None, what: str) -> str:
         """Count a failed save and say why, naming the checkpoint root; returns the sentence."""
-        detail = f"{type(exc).__name__}: {exc}" if exc is not None else ""
+        detail = describe_save_error(exc, self.storage.path("")) if exc is not None else ""
         where = f"checkpoint of step {step}" if step is not None else "checkpointing"
         sentence = (f"{where} in {self.storage} {what}" + (f" ({detail})" if detail else "")
                     + "; the previous checkpoint stays the newest")
@@ -368,7 +341,7 @@ class CheckpointManager:
         except (OSError, RuntimeError) as exc:
             raise _NotCommitted("was written but not committed") from exc
         try:
-            removed = layout.retire_old(self.storage, self.keep_last)
+            removed = layout.retire_old(self.storage, self.keep_last, up_to=inflight.step)
         except OSError as exc:  # the new checkpoint is safe; old ones just linger
             log.warning("could not remove old checkpoints: %s", exc)
             removed = []
@@ -388,47 +361,27 @@ class CheckpointManager:
         return result
 
 
-@contextlib.contextmanager
-def _stderr_to(path: str | None):
-    """Point file descriptor 2 at ``path`` while a child process is started, so that the
-    child's own log lines go to that file and not to the console."""
-    if path is None:
-        yield
-        return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    sys.stderr.flush()
-    saved = os.dup(2)
-    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.dup2(target, 2)
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(target)
-
-
 class _NotCommitted(RuntimeError):
     """A written save could not be committed; the message says what happened to it."""
 
 
-class _StartPlanner(dcp.DefaultSavePlanner):
-    """The start-up save's own planner class: DCP caches plans per class, so the tiny
-    start-up save does not take the training state's cache slot."""
+class TrainingStatePlanner(dcp.DefaultSavePlanner):
+    """The save planner of the training state, with DCP's plan caching on.
 
-
-def stop_background_processes() -> None:
-    """End DCP's checkpoint process (and any other child) without waiting for it.
-
-    After a background save was abandoned its thread may wait on a dead peer for half an
-    hour; the caller then leaves with ``os._exit`` and must not leave children behind.
+    DCP keeps one cached plan per planner class: the training state has this class to
+    itself, so a differently shaped save (the start-up save, an export) never evicts its
+    plan. ``cache_hits`` counts, in the process that plans (this one in ``thread`` and
+    ``sync`` mode, the checkpoint process in ``process`` mode), the saves whose local plan
+    came from the cache.
     """
-    for child in multiprocessing.active_children():
-        child.terminate()
-        child.join(timeout=5)
-        if child.is_alive():
-            child.kill()
+
+    cache_hits = 0
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        if not plan.usable:  # DCP's mark for "unchanged since the cached plan"
+            TrainingStatePlanner.cache_hits += 1
+        return plan
 
 
 def _done_future() -> Future:

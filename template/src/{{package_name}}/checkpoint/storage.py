@@ -8,18 +8,25 @@ cannot, which is why the commit protocol never relies on rename alone: the
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import socket
 from pathlib import Path
+from typing import IO
 
 from torch.distributed.checkpoint import (
-    FileSystemReader,
     FileSystemWriter,
     StorageReader,
     StorageWriter,
 )
 
-_URL_SCHEMES = ("s3://", "gs://", "gcs://", "az://", "abfs://", "abfss://")
+from ..config import OBJECT_STORE_SCHEMES
+from .safe_load import SafeFileSystemReader, safe_fsspec_reader
+
+
+class StorageError(OSError):
+    """checkpoint.dir cannot hold checkpoints; the message is one sentence that says why."""
 
 
 class LocalStorage:
@@ -87,7 +94,45 @@ class LocalStorage:
         return FileSystemWriter(self.path(name), sync_files=True)
 
     def reader(self, name: str) -> StorageReader:
-        return FileSystemReader(self.path(name))
+        # Never DCP's plain reader: it unpickles .metadata without restriction.
+        return SafeFileSystemReader(self.path(name))
+
+    def open_read(self, name: str) -> IO[bytes]:
+        return open(self.root / name, "rb")
+
+    def free_bytes(self) -> int:
+        return shutil.disk_usage(self.root).free
+
+    def probe(self) -> None:
+        """Check that checkpoints can be written here: create, write, rename, remove."""
+        where = f"checkpoint.dir={self.root}"
+        probe = self.root / f".probe-{socket.gethostname()}-{os.getpid()}"
+        step = f"cannot look at {self.root}"
+        try:
+            if self.root.exists() and not self.root.is_dir():
+                raise StorageError(f"{where} is not a directory (a file of that name exists)")
+            step = f"cannot create {self.root}"
+            self.root.mkdir(parents=True, exist_ok=True)
+            step = f"cannot write a file in {self.root}"
+            with open(probe, "wb") as handle:
+                handle.write(b"probe\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            step = f"cannot rename a file in {self.root}"
+            os.replace(probe, probe.with_name(probe.name + ".renamed"))
+            probe = probe.with_name(probe.name + ".renamed")
+            step = f"cannot sync the directory {self.root}"   # as every commit does
+            self._fsync_dir(self.root)
+            step = f"cannot remove a file in {self.root}"
+            probe.unlink()
+        except StorageError:
+            raise
+        except OSError as exc:
+            try:
+                probe.unlink(missing_ok=True)
+            except OSError:
+                pass
+            raise StorageError(f"{where} is not usable: {step}: {_os_cause(exc)}") from None
 
     @staticmethod
     def _fsync_dir(directory: Path) -> None:
@@ -173,17 +218,140 @@ class FsspecStorage:
         return FsspecWriter(self.path(name), sync_files=True)
 
     def reader(self, name: str) -> StorageReader:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        # Never DCP's plain reader: it unpickles .metadata without restriction.
+        return safe_fsspec_reader(self.path(name))
 
-        return FsspecReader(self.path(name))
+    def open_read(self, name: str) -> IO[bytes]:
+        return self.fs.open(self._key(name), "rb")
+
+    def free_bytes(self) -> None:
+        return None  # an object store has no free space to run out of
+
+    def probe(self) -> None:
+        """List, write, read back and delete a small object: credentials and bucket exist."""
+        where = f"checkpoint.dir={self.url}"
+        name = f".probe-{socket.gethostname()}-{os.getpid()}"
+        step = "cannot list it"
+        try:
+            try:
+                self.fs.ls(self._root, detail=False, refresh=True)
+            except FileNotFoundError:
+                pass  # an empty prefix; the write below tells a missing bucket apart
+            step = "cannot write an object to it"
+            self.fs.pipe_file(self._key(name), b"probe\n")
+            step = "cannot read back an object written to it"
+            if int(self.fs.size(self._key(name))) != 6:
+                raise OSError(errno.EIO, "the object read back has the wrong size")
+            step = "cannot delete an object from it"
+            self.fs.rm_file(self._key(name))
+        except Exception as exc:  # noqa: BLE001 - drivers raise their own classes
+            raise StorageError(f"{where} is not usable: {step}: {_store_cause(exc)}") from None
 
 
 Storage = LocalStorage | FsspecStorage
 
 
+def probe(storage: Storage, needed_bytes: int | None = None, detail: str = "") -> None:
+    """Refuse storage that cannot hold checkpoints, before anything is built.
+
+    Raises StorageError with one sentence naming checkpoint.dir and the cause: not a
+    directory, read-only, permission denied, a rename that fails, less free space than
+    ``needed_bytes`` (skipped when None; ``detail`` says how it was estimated), missing
+    credentials or bucket.
+    """
+    storage.probe()
+    check_space(storage, needed_bytes, detail)
+
+
+def check_space(storage: Storage, needed_bytes: int | None, detail: str = "") -> None:
+    """StorageError when a local root has less than ``needed_bytes`` free (None: unknown)."""
+    free = storage.free_bytes() if needed_bytes is not None else None
+    if free is not None and needed_bytes > free:
+        raise StorageError(
+            f"checkpoint.dir={storage} has not enough free space: "
+            f"{human_bytes(needed_bytes)} needed{f' ({detail})' if detail else ''}, "
+            f"{human_bytes(free)} free")
+
+
+def describe_save_error(exc: BaseException, path: str) -> str:
+    """One sentence for a failed save: which path, which rank, and why (errno when known).
+
+    DCP wraps each rank's failure in a CheckpointException; a failed write often shows up
+    as torch's "unexpected pos N vs M" with the OSError (ENOSPC...) only as its context,
+    and a failure that crossed a process boundary (another rank, the checkpoint process)
+    has lost that context: then the free space of a local path is looked at.
+    """
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        ranks = sorted(failures)
+        first = failures[ranks[0]]
+        inner = first[0] if isinstance(first, tuple) else first
+        where = f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+    else:
+        inner, where = exc, ""
+    for cause in _chain(inner):
+        if isinstance(cause, OSError) and cause.errno:
+            return f"checkpoint save to {path} failed{where}: {_os_cause(cause)}"
+    message = str(inner).strip().splitlines()[-1] if str(inner).strip() else type(inner).__name__
+    if "unexpected pos" in message:  # torch's zip writer: fewer bytes reached the file
+        message += " (a write came up short)"
+    hint = ""
+    if "://" not in path:
+        existing = Path(path)
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        try:
+            usage = shutil.disk_usage(existing)
+        except OSError:
+            usage = None
+        if usage is not None and usage.free < max(64 << 20, usage.total // 100):
+            hint = (f"; the filesystem has {human_bytes(usage.free)} free of "
+                    f"{human_bytes(usage.total)}: probably out of space (ENOSPC)")
+    return f"checkpoint save to {path} failed{where}: {message}{hint}"
+
+
+def _chain(exc: BaseException | None):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _os_cause(exc: OSError) -> str:
+    code = errno.errorcode.get(exc.errno or 0)
+    text = (exc.strerror or os.strerror(exc.errno) if exc.errno else str(exc)).lower()
+    return f"{text} ({code})" if code else text
+
+
+def _store_cause(exc: Exception) -> str:
+    kind = type(exc).__name__
+    if kind == "NoCredentialsError" or "credentials" in str(exc).lower():
+        return (f"no credentials found ({kind}): set them in the environment "
+                "(e.g. AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) or attach "
+                "a role to the machine")
+    if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in str(exc):
+        return f"the bucket or container does not exist ({kind})"
+    if isinstance(exc, PermissionError):
+        return f"permission denied ({kind}: {exc})"
+    if isinstance(exc, OSError) and exc.errno:
+        return _os_cause(exc)
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{kind}: {first}" if first else kind
+
+
+def human_bytes(n: float) -> str:
+    """A byte count for people: 512 bytes, 3.1 MiB, 1.2 TiB."""
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} bytes"  # unreachable
+
+
 def open_storage(url: str) -> Storage:
     """The storage for ``checkpoint.dir``: a path, a file:// URL or an object-store URL."""
-    if url.startswith(_URL_SCHEMES):
+    if url.startswith(tuple(f"{scheme}://" for scheme in OBJECT_STORE_SCHEMES)):
         try:
             return FsspecStorage(url)
         except ImportError as exc:

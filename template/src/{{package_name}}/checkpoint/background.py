@@ -1,0 +1,84 @@
+"""DCP's background checkpoint process: started before the first step, ended at exit.
+
+DCP starts its process checkpointer at the first ``async_save``; a tiny save of its own
+(with a planner class of its own, so the training state's cached plan stays) starts it
+at start-up instead, where a failure costs seconds and a bounded wait. While it starts,
+its log lines (INFO, to its standard error) are pointed at a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from concurrent import futures
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+
+def start_checkpoint_process(timeout_s: float, is_coordinator: bool) -> None:
+    """One tiny save through DCP's process checkpointer spawns its process and group."""
+    name = [f"dcp-start-{uuid.uuid4().hex}" if is_coordinator else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(name, src=0)
+    scratch = os.path.join(tempfile.gettempdir(), name[0])
+    os.makedirs(scratch, exist_ok=True)
+    try:
+        response = dcp.async_save({"start": torch.zeros(1)},
+                                  storage_writer=dcp.FileSystemWriter(scratch),
+                                  planner=_StartPlanner(),
+                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+        upload = response.upload_completion if isinstance(response, AsyncSaveResponse) \
+            else response
+        upload.result(timeout=timeout_s)
+    except futures.TimeoutError:
+        raise TimeoutError(f"the background checkpoint process did not start within "
+                           f"{timeout_s:g} s (checkpoint.start_timeout_s)") from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def stderr_to(path: str | None):
+    """Point file descriptor 2 at ``path`` while a child process is started, so that the
+    child's own log lines go to that file and not to the console."""
+    if path is None:
+        yield
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(target, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(target)
+
+
+class _StartPlanner(dcp.DefaultSavePlanner):
+    """The start-up save's own planner class: DCP caches plans per class, so the tiny
+    start-up save does not take the training state's cache slot."""
+
+
+def stop_background_processes() -> None:
+    """End DCP's checkpoint process (and any other child) without waiting for it.
+
+    After a background save was abandoned its thread may wait on a dead peer for half an
+    hour; the caller then leaves with ``os._exit`` and must not leave children behind.
+    """
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=5)
+        if child.is_alive():
+            child.kill()

@@ -1,0 +1,191 @@
+"""Checksums of a checkpoint's files: recorded at commit, checked before a load.
+
+A file's size says it was written whole; only its content's checksum says the bytes are
+the ones that were written. ``commit.json`` records, for every file, its size and the
+CRC-32 of each 64 MiB block:
+
+    "files": {"__0_0.distcp": {"size": 104857600, "crc32": ["8c1f0a3e", "0b77d2c4"]}, ...}
+    "checksum": {"algorithm": "crc32", "block_bytes": 67108864}
+
+CRC-32 (zlib, in the standard library) is the fastest stdlib checksum here (about
+2.8 GB/s on one core, against 1.3 GB/s for SHA-256) and catches any burst of damage
+up to 32 bits long and all but one in 2**32 others: enough to tell damaged bytes from
+intact ones, not to resist someone who can rewrite commit.json as well (that is what
+the restricted loader in ``safe_load`` is for). Per-block values let ``sample``
+verification read a part of each large file and still check what it reads.
+
+Verification modes (``checkpoint.verify``): ``all`` reads every byte; ``sample`` reads
+every small file (``.metadata``, files of one block), and of larger files the first and
+last block and one block in ``SAMPLE_EVERY`` of the others, chosen at random each time;
+``none`` checks sizes only. A commit.json written before checksums were recorded
+(``files`` maps names to sizes) is accepted with sizes only, and said so.
+
+Both sides read up to ``MAX_THREADS`` files at once: zlib.crc32 and file reads release
+the GIL, so the shards of a multi-rank checkpoint are checksummed on as many cores.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .storage import Storage
+
+ALGORITHM = "crc32"
+BLOCK_BYTES = 64 << 20
+SAMPLE_EVERY = 8
+MAX_THREADS = 8      # files checksummed at once (commit and verification)
+_READ_BYTES = 1 << 20
+MODES = ("all", "sample", "none")
+
+
+def _mode(mode: Any) -> str:
+    value = getattr(mode, "value", mode)
+    if value not in MODES:
+        raise ValueError(f"verification mode must be one of {', '.join(MODES)}, got {mode!r}")
+    return value
+
+
+def checksum_entry(storage: Storage, name: str, size: int) -> dict[str, Any]:
+    """What commit.json records for one file: its size and its blocks' CRC-32."""
+    blocks, read, block = [], 0, BLOCK_BYTES
+    with storage.open_read(name) as handle:
+        while True:
+            crc, got = _crc_of_block(handle, block)
+            if got == 0 and blocks:
+                break
+            blocks.append(f"{crc:08x}")
+            read += got
+            if got < block:
+                break
+    if read != size:
+        raise OSError(f"{name} changed while its checksum was computed "
+                      f"({read} bytes read, {size} listed)")
+    return {"size": size, ALGORITHM: blocks}
+
+
+def record_fields() -> dict[str, Any]:
+    """The commit.json fields that say how the checksums were computed."""
+    return {"checksum": {"algorithm": ALGORITHM, "block_bytes": BLOCK_BYTES}}
+
+
+def file_sizes(record: dict[str, Any]) -> dict[str, int] | None:
+    """Each listed file's size (both commit.json formats), or None if ``files`` is malformed."""
+    files = record.get("files")
+    if not isinstance(files, dict):
+        return None
+    sizes = {}
+    for name, entry in files.items():
+        size = entry.get("size") if isinstance(entry, dict) else entry
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return None
+        sizes[name] = size
+    return sizes
+
+
+@dataclass
+class Check:
+    """The outcome of checking one checkpoint's contents against its commit.json."""
+
+    files: int = 0
+    bytes: int = 0            # total size of the listed files
+    checked_bytes: int = 0    # bytes read and checksummed
+    problem: str = ""         # empty when nothing is wrong
+    unverified: bool = False  # commit.json has no checksums (an older version wrote it)
+
+
+def check_contents(storage: Storage, name: str, record: dict[str, Any], mode: Any = "all",
+                   rng: random.Random | None = None) -> Check:
+    """Compare the files of checkpoint ``name`` with the checksums in its ``record``.
+
+    Sizes are assumed checked already (discovery does it). Returns a Check whose
+    ``problem`` names the first file that does not match, and where.
+    """
+    mode = _mode(mode)
+    sizes = file_sizes(record) or {}
+    check = Check(files=len(sizes), bytes=sum(sizes.values()))
+    files = record.get("files") or {}
+    scheme = record.get("checksum")
+    if not (isinstance(scheme, dict) and scheme.get("algorithm") == ALGORITHM
+            and isinstance(scheme.get("block_bytes"), int) and scheme["block_bytes"] > 0
+            and all(isinstance(e, dict) and isinstance(e.get(ALGORITHM), list)
+                    for e in files.values())):
+        check.unverified = True
+        return check
+    if mode == "none":
+        return check
+    block = scheme["block_bytes"]
+    rng = rng or random.Random()
+    plan = []
+    for file_name in sorted(files):
+        size, recorded = files[file_name]["size"], files[file_name][ALGORITHM]
+        count = max(1, math.ceil(size / block))
+        if len(recorded) != count:
+            check.problem = (f"{file_name}: commit.json lists {len(recorded)} checksum blocks "
+                             f"for {size} bytes, expected {count}")
+            return check
+        chosen = list(range(count)) if mode == "all" else _sample(count, rng)
+        plan.append((file_name, size, recorded, chosen))
+
+    def one_file(item: tuple[str, int, list[str], list[int]]) -> tuple[int, str]:
+        file_name, size, recorded, chosen = item
+        checked = 0
+        try:
+            with storage.open_read(f"{name}/{file_name}") as handle:
+                for index in chosen:
+                    handle.seek(index * block)
+                    crc, got = _crc_of_block(handle, block)
+                    checked += got
+                    expected = min(block, size - index * block)
+                    if got != expected or f"{crc:08x}" != recorded[index]:
+                        begin = index * block
+                        return checked, (
+                            f"{file_name} does not match its checksum: bytes {begin:,}-"
+                            f"{begin + expected:,} have {ALGORITHM} {crc:08x}, commit.json "
+                            f"recorded {recorded[index]} (changed after it was committed)")
+        except OSError as exc:
+            return checked, f"{file_name} cannot be read: {exc}"
+        return checked, ""
+
+    for checked, problem in parallel_map(one_file, plan):
+        check.checked_bytes += checked
+        check.problem = check.problem or problem   # the first file (by name) that fails
+    return check
+
+
+def parallel_map(function: Any, items: list[Any]) -> list[Any]:
+    """``map`` over files on up to ``MAX_THREADS`` threads, results in order.
+
+    zlib.crc32 and file reads release the GIL, so the files of a multi-rank checkpoint
+    are checksummed side by side on as many cores.
+    """
+    workers = min(MAX_THREADS, len(items), os.cpu_count() or 1)
+    if workers <= 1:
+        return [function(item) for item in items]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="checksum") as pool:
+        return list(pool.map(function, items))
+
+
+def _sample(count: int, rng: random.Random) -> list[int]:
+    if count <= 2:
+        return list(range(count))
+    middle = range(1, count - 1)
+    picked = rng.sample(middle, max(1, math.ceil(len(middle) / SAMPLE_EVERY)))
+    return [0, *sorted(picked), count - 1]
+
+
+def _crc_of_block(handle: Any, block: int) -> tuple[int, int]:
+    """CRC-32 of the next ``block`` bytes (fewer at the end) and how many were read."""
+    crc, got = 0, 0
+    while got < block:
+        chunk = handle.read(min(_READ_BYTES, block - got))
+        if not chunk:
+            break
+        crc = zlib.crc32(chunk, crc)
+        got += len(chunk)
+    return crc, got

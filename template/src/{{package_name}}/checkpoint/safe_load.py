@@ -1,0 +1,154 @@
+"""Loading a checkpoint without running code from it.
+
+DCP's own loader trusts the checkpoint: ``.metadata`` is a pickle read with
+``pickle.load``, and every non-tensor value (the step counter, the scheduler's state)
+goes through ``torch.load(weights_only=False)``, so whoever can write to a checkpoint
+directory can run code in the training job. The readers and the planner here close
+both paths:
+
+- ``read_metadata`` unpickles ``.metadata`` with an unpickler that knows only the
+  classes DCP's metadata is made of (checked against real files from sync, thread and
+  process saves, FSDP2 on one and two ranks, local and fsspec storage);
+- ``SafeLoadPlanner.load_bytes`` uses ``torch.load(weights_only=True)``: plain
+  containers, numbers, strings and tensors only.
+
+Anything else is refused with ``UnsafeCheckpointError`` before it is built.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from functools import cache
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+
+# Everything a real .metadata holds (torch 2.13): DCP's metadata dataclasses, the
+# filesystem layer's _StorageInfo, torch.Size, dtypes (any torch.dtype), layouts
+# (rebuilt by name through torch.serialization._get_layout) and the checkpoint path.
+_ALLOWED: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "MetadataIndex", "StorageMeta", "TensorProperties", "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "torch": frozenset({"Size"}),
+    "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
+    "collections": frozenset({"OrderedDict"}),
+}
+
+TRUST_NOTE = ("a checkpoint's .metadata is a pickle, and loading it with DCP's own reader "
+              "would run whatever it names; see docs/RESUMING.md, 'Trusting a checkpoint'")
+
+
+class UnsafeCheckpointError(RuntimeError):
+    """A checkpoint holds something other than DCP's metadata, tensors and plain values."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, where: str) -> None:
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"refusing to load {self.where}: it names {module}.{name}, which is not part "
+            f"of DCP's metadata ({TRUST_NOTE})")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpointError(f"refusing to load {self.where}: it uses a persistent id, "
+                                    f"which DCP's metadata never does ({TRUST_NOTE})")
+
+
+def load_metadata(data: bytes | io.BufferedIOBase | Any, where: str) -> Metadata:
+    """Unpickle DCP metadata, allowing only the classes it is made of.
+
+    ``where`` names the file in messages. Raises UnsafeCheckpointError for anything
+    else (nothing of it is built), including a pickle that is not DCP metadata at all.
+    """
+    stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
+    try:
+        metadata = _MetadataUnpickler(stream, where).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - garbage raises any of a dozen types
+        raise UnsafeCheckpointError(f"cannot read {where}: not a valid DCP metadata file "
+                                    f"({type(exc).__name__}: {exc})") from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"refusing to load {where}: it holds a "
+                                    f"{type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
+class _SafeMetadataMixin:
+    """``read_metadata`` of FileSystemReader, with the restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = load_metadata(stream, str(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
+    """DCP's local-filesystem reader, reading ``.metadata`` with the restricted unpickler.
+
+    Tensor data is read as DCP always does, with ``torch.load(weights_only=True)``.
+    """
+
+
+def safe_fsspec_reader(path: str) -> FileSystemReader:
+    """DCP's fsspec reader (object stores), reading ``.metadata`` with the restricted unpickler."""
+    return _safe_fsspec_reader_class()(path)
+
+
+@cache
+def _safe_fsspec_reader_class() -> type:
+    # Built on first use: fsspec is optional. A private module (public in all but name
+    # since torch 2.2), as for the writer.
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return type("SafeFsspecReader", (_SafeMetadataMixin, FsspecReader), {})
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor values load as data only.
+
+    DefaultLoadPlanner.load_bytes calls ``torch.load(weights_only=False)`` on every
+    non-tensor value of the checkpoint; here it is ``weights_only=True``.
+    """
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UnsafeCheckpointError(
+                f"refusing to load the value {fqn!r}: it is not plain data ({first})") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def unsafe_failure(exc: BaseException) -> UnsafeCheckpointError | None:
+    """The UnsafeCheckpointError inside a CheckpointException (any rank's), if there is one."""
+    failures = getattr(exc, "failures", None) or {}
+    for _, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, UnsafeCheckpointError):
+            return inner
+    return None
