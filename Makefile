@@ -32,7 +32,7 @@ lint: venv
 # step 12, a resume on 1 rank, and a step-by-step comparison; then prints the report.
 demo: venv
 	rm -rf $(DEMO)
-	$(VENV)/bin/copier copy --defaults --quiet . $(DEMO)
+	$(VENV)/bin/copier copy --defaults --quiet --vcs-ref HEAD . $(DEMO)   # the working tree, not the newest tag
 	cd $(DEMO) && PYTHONPATH=src $(abspath $(PY)) -m my_run.drill --save-ranks 2 \
 		--resume-ranks 1 --out drill; status=$$?; \
 		[ -f drill/report.md ] && cat drill/report.md; exit $$status

@@ -14,8 +14,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def render(dst: Path, **answers) -> Path:
-    """Render the working tree of the template into ``dst`` non-interactively."""
-    run_copy(str(REPO), str(dst), data=answers, defaults=True, quiet=True, unsafe=False)
+    """Render the working tree of the template into ``dst`` non-interactively.
+
+    ``vcs_ref="HEAD"``: without it copier renders the newest release tag (v0.1.0 on), not
+    the working tree.
+    """
+    run_copy(str(REPO), str(dst), data=answers, defaults=True, quiet=True, unsafe=False,
+             vcs_ref="HEAD")
     return dst
 
 

@@ -114,6 +114,14 @@ def table_rows(markdown: str) -> dict[str, str]:
     return rows
 
 
+def numeric(answers: dict) -> dict:
+    """The recorded answers with the numbers as numbers (the answers file records the
+    numeric questions as text: they are `type: str` in copier.yml)."""
+    floats = set(PLAN_KEYS) | {"grace_period_seconds"}
+    return {name: float(value) if name in floats else int(value) if name == "keep_last"
+            else value for name, value in answers.items()}
+
+
 def run_plan(dst: Path, package: str, *args: str) -> subprocess.CompletedProcess:
     return run_in(dst, "-m", f"{package}.plan", *args, timeout=120, check=False)
 
@@ -125,7 +133,7 @@ def project(request, tmp_path_factory):
     name, language = request.param
     dst = tmp_path_factory.mktemp(f"{name}-{language}")
     render(dst, **ANSWER_SETS[name], docs_language=language)
-    answers = yaml.safe_load((dst / ".copier-answers.yml").read_text(encoding="utf-8"))
+    answers = numeric(yaml.safe_load((dst / ".copier-answers.yml").read_text(encoding="utf-8")))
     package = answers["package_name"]
     save = repr(answers["checkpoint_save_seconds"])
     proc = run_plan(dst, package, "--json",
@@ -247,7 +255,8 @@ def test_checklist_states_match_the_answers(project):
     grace, needed = answers["grace_period_seconds"], (answers["step_time_seconds"]
                                                       + answers["checkpoint_save_seconds"])
     notice = {"aws": 120, "gcp": 30, "azure": 30}.get(answers["cloud"], math.inf)
-    assert (boxes[5] == "x") == (needed <= min(grace, notice))
+    # A grace period longer than the cloud's notice is itself a failure (it is flagged).
+    assert (boxes[-1] == "x") == (needed <= grace <= notice)  # the grace item comes last
     assert "--save-ranks 8 --resume-ranks 4 --out drill-out" in checklist
 
 
@@ -360,3 +369,39 @@ def test_copy_time_formulas_equal_plan_model_on_random_answers():
         else:
             kinds["window between steps"] += 1
     assert min(kinds.values()) >= 3, kinds
+
+
+# ------------------------------------------- grace period against the notice ----
+
+
+def grace_box(checklist: str) -> str:
+    (box,) = re.findall(r"^- \[([ x])\] \*\*(?:Grace period long enough|宽限期够用)\*\*",
+                        checklist, re.MULTILINE)
+    return box
+
+
+@pytest.mark.parametrize("language", ["en", "zh"])
+def test_grace_period_longer_than_the_notice_is_flagged(tmp_path, language):
+    """cloud=gcp gives 30 s: a 45.5 s grace period is not ticked but flagged, with both."""
+    dst = render(tmp_path / "p", cloud="gcp", grace_period_seconds=45.5, docs_language=language)
+    checklist = (dst / "docs" / "CHECKLIST.md").read_text(encoding="utf-8")
+    assert grace_box(checklist) == " "
+    flagged = [line for line in checklist.splitlines() if "❌" in line and "45.5" in line]
+    assert len(flagged) == 1 and "30" in flagged[0], flagged
+    assert ("at most 30" if language == "en" else "不超过 30") in flagged[0]
+    # Within the notice: no such line.
+    dst = render(tmp_path / "q", cloud="gcp", grace_period_seconds=30.0, docs_language=language)
+    checklist = (dst / "docs" / "CHECKLIST.md").read_text(encoding="utf-8")
+    assert grace_box(checklist) == "x"
+    assert "❌" not in "".join(line for line in checklist.splitlines() if "notice" in line
+                               or "通知" in line)
+
+
+def test_notice_windows_are_the_generated_packages():
+    """includes/clouds.jinja (copy time) and preemption.NOTICE_WINDOW_S (run time) agree."""
+    load_plan_modules()  # registers the unrendered package as template_pkg
+    preemption = importlib.import_module("template_pkg.preemption")
+    env = SandboxedEnvironment(loader=FileSystemLoader(str(REPO)))
+    windows = env.get_template("includes/clouds.jinja").make_module({}).notice_window_seconds
+    assert {source.value: seconds for source, seconds in preemption.NOTICE_WINDOW_S.items()} \
+        == windows

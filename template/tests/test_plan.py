@@ -436,7 +436,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(run_plan, monkeypatch, tmp_p
         monkeypatch.setitem(sys.modules, name, None)  # makes the import fail
     code, _, err = run_plan(*flags(), "--plot", str(tmp_path / "b.png"))
     assert code == 1
-    assert "pip install matplotlib" in err
+    assert "pip install -e '.[plot]'" in err
 
 
 def test_plot_rejects_other_formats(run_plan, tmp_path):

@@ -339,7 +339,9 @@ def plot_badput(plan: Plan, path: str | os.PathLike) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise PlotUnavailable("--plot needs matplotlib: pip install matplotlib") from exc
+        raise PlotUnavailable("--plot needs matplotlib, the project's `plot` extra: "
+                              "python -m pip install -e '.[plot]' (in the project "
+                              "directory)") from exc
 
     i = plan.inputs
     lowest = plan.shortest_interval_steps
@@ -357,7 +359,7 @@ def plot_badput(plan: Plan, path: str | os.PathLike) -> None:
         curves["interruptions"].append(100 * (parts["rework"] + parts["commit_latency"]
                                               + parts["restart"]))
 
-    fig = Figure(figsize=(7.5, 4.5))
+    fig = Figure(figsize=(10, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     ax.plot(steps, curves["total"], color="black", label="expected badput B(N·T)")
@@ -380,9 +382,11 @@ def plot_badput(plan: Plan, path: str | os.PathLike) -> None:
     ax.set_ylim(0, min(100.0, top))
     ax.set_xlabel(f"checkpoint interval N (steps of {i.step_seconds:g} s)")
     ax.set_ylabel("badput (% of machine time)")
-    ax.set_title(f"M = {i.mtbi_hours:g} h, δ = {i.blocking_seconds:g} s, "
-                 f"L = {i.commit_latency_seconds:g} s, R = {i.restart_seconds:g} s")
+    ax.set_title(f"M = {i.mtbi_hours:g} h, T = {i.step_seconds:g} s, "
+                 f"δ = {i.blocking_seconds:g} s, L = {i.commit_latency_seconds:g} s, "
+                 f"R = {i.restart_seconds:g} s, target {i.badput_target_percent:g} %")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
+    # Beside the axes, not on them: inside, it would hide part of the curve.
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     fig.savefig(path, dpi=120, bbox_inches="tight")
 

@@ -1,0 +1,256 @@
+"""The launch files are runnable as generated: valid for their schedulers, one GPU count.
+
+Kubernetes files are checked against Kubernetes' own OpenAPI schemas (kubernetes-validate,
+strict: an unknown field fails), the SkyPilot task against SkyPilot's schema and task
+parser, and the Slurm script is submitted to a fake `sbatch` that checks what Slurm
+would and then runs its body with fake `srun` and `scontrol` on PATH.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from conftest import render
+
+KUBERNETES_VERSION = "1.30.0"  # the oldest release the Job's fields need (podFailurePolicy GA)
+ALL = {"launchers": ["slurm", "kubernetes", "skypilot"], "project_name": "Spot Trainer",
+       "gpus_per_node": 4, "keep_last": 2, "checkpoint_size_gb": 20.0,
+       "grace_period_seconds": 45.0}
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    return render(tmp_path_factory.mktemp("launchers") / "p", **ALL)
+
+
+def kubernetes_docs(project: Path) -> dict[str, dict]:
+    docs = [d for d in yaml.safe_load_all((project / "launch/kubernetes.yaml").read_text()) if d]
+    by_kind = {doc["kind"]: doc for doc in docs}
+    assert len(by_kind) == len(docs)
+    return by_kind
+
+
+# -------------------------------------------------------------- GPU count ----
+
+def test_gpus_per_node_reaches_every_launcher(project):
+    sbatch = (project / "launch/slurm.sbatch").read_text()
+    assert "#SBATCH --gpus-per-node=4\n" in sbatch
+    assert '--nproc-per-node "${SLURM_GPUS_ON_NODE:-4}"' in sbatch
+    container = kubernetes_docs(project)["Job"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert container["args"][:2] == ["--nproc-per-node", "4"]
+    sky = yaml.safe_load((project / "launch/skypilot.yaml").read_text())
+    assert sky["resources"]["accelerators"].endswith(":4")
+
+
+# ------------------------------------------------------------- Kubernetes ----
+
+@pytest.mark.parametrize("answers", [ALL, {"launchers": ["kubernetes"], "project_name": "r" * 63,
+                                           "image": "ghcr.io/me/run:v1", "cloud": "gcp"}],
+                         ids=["all-launchers", "long-name-registry-image"])
+def test_kubernetes_file_is_valid_for_kubernetes(tmp_path, answers):
+    project = render(tmp_path / "p", **answers)
+    docs = kubernetes_docs(project)
+    assert set(docs) == {"PersistentVolumeClaim", "Job"}
+    for doc in docs.values():
+        # Raises ValidationError naming the field for anything Kubernetes would refuse.
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+    pod = docs["Job"]["spec"]["template"]["spec"]
+    claim = pod["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    assert claim == docs["PersistentVolumeClaim"]["metadata"]["name"]  # defined, not assumed
+    container = pod["containers"][0]
+    assert container["image"] == answers.get("image", "spot-trainer:latest")
+    assert container["imagePullPolicy"] == "IfNotPresent"
+    dockerfile = (project / "Dockerfile").read_text()
+    assert f"docker build -t {container['image']} ." in dockerfile
+
+
+def test_volume_is_sized_from_the_checkpoint_estimate(project):
+    pvc = kubernetes_docs(project)["PersistentVolumeClaim"]
+    # keep_last 2 committed + 1 being written, 20 GB each = 60 GB = 55.9 GiB -> 56Gi.
+    expected = math.ceil(20.0 * (2 + 1) * 1e9 / 2**30)
+    assert pvc["spec"]["resources"]["requests"]["storage"] == f"{expected}Gi" == "56Gi"
+    text = (project / "launch/kubernetes.yaml").read_text()
+    assert "keep_last (2)" in text and "checkpoint_size_gb (20.0 GB)" in text
+
+
+def test_an_invalid_kubernetes_object_is_caught():
+    """The schema check is strict: a misspelt field fails."""
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"},
+           "spec": {"template": {"spec": {"restartPolicy": "Never", "containers": [
+               {"name": "t", "image": "x", "imagePullPolicy": "IfNotPresent",
+                "resourcez": {}}]}}}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(job, KUBERNETES_VERSION, strict=True)
+
+
+# --------------------------------------------------------------- SkyPilot ----
+
+SKY_CHECK = """
+import json, sys, yaml
+import sky
+from sky.utils import common_utils, schemas
+config = yaml.safe_load(open(sys.argv[1]))
+common_utils.validate_schema(config, schemas.get_task_schema(), "Invalid task YAML: ")
+task = sky.Task.from_yaml_config(config)
+(resources,) = task.resources
+print(json.dumps({"accelerators": resources.accelerators, "use_spot": resources.use_spot,
+                  "num_nodes": task.num_nodes}))
+"""
+
+
+def test_skypilot_task_is_valid_for_skypilot(project, tmp_path):
+    # In a child with its own HOME: importing sky writes ~/.sky.
+    proc = subprocess.run([sys.executable, "-c", SKY_CHECK, str(project / "launch/skypilot.yaml")],
+                          env=dict(os.environ, HOME=str(tmp_path)), capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    parsed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert parsed == {"accelerators": {"A100": 4}, "use_spot": True, "num_nodes": 1}
+
+
+# ------------------------------------------------------------------ Slurm ----
+
+FAKE_SBATCH = """#!{python}
+# A fake sbatch: checks the directives the way Slurm reads them, then runs the body
+# at once (in the foreground), its output in the --output file as Slurm would.
+import json, os, sys
+script, *args = sys.argv[1:]
+directives = {{}}
+for line in open(script).read().splitlines()[1:]:
+    if line.startswith("#SBATCH "):
+        key, _, value = line[len("#SBATCH "):].strip().partition("=")
+        directives[key] = value
+    elif line.strip() and not line.startswith("#"):
+        break  # Slurm stops reading directives at the first command
+job_id = os.environ.get("FAKE_JOB_ID", "4242")
+with open(os.environ["FAKE_SLURM_LOG"], "a") as log:
+    print("sbatch " + json.dumps(directives), file=log)
+output = directives.get("--output", "slurm-%j.out").replace("%j", job_id)
+# Slurm opens the output file before the script runs and creates no directory.
+if not os.path.isdir(os.path.dirname(os.path.abspath(output))):
+    print(f"slurmstepd: error: cannot open {{output}}: No such file or directory", file=sys.stderr)
+    sys.exit(1)
+os.environ.update(SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST="node001",
+                  SLURM_NNODES=directives.get("--nodes", "1"), SLURM_SUBMIT_DIR=os.getcwd(),
+                  SLURM_GPUS_ON_NODE=os.environ.get("FAKE_GPUS_ON_NODE",
+                                                    directives.get("--gpus-per-node", "1")))
+fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+os.dup2(fd, 1)
+os.dup2(fd, 2)
+os.execvp("bash", ["bash", script, *args])
+"""
+FAKE_SRUN = """#!/bin/bash
+echo "srun $*" >> "$FAKE_SLURM_LOG"
+if [ -n "${FAKE_SRUN_STUB:-}" ]; then exec "$FAKE_SRUN_STUB" "$@"; fi
+exec "$@"
+"""
+FAKE_SCONTROL = """#!/bin/bash
+echo "scontrol $*" >> "$FAKE_SLURM_LOG"
+if [ "$1 $2" = "show hostnames" ]; then echo localhost; fi
+"""
+# Stands in for `python -m <pkg>.resume ...`: ready, then exits 75 on USR1 as a preempted
+# run does.
+STUB = """#!{python}
+import os, signal, sys
+signal.signal(signal.SIGUSR1, lambda *_: (open(os.environ["FAKE_STUB_LOG"], "a")
+                                          .write("USR1\\n"), sys.exit(75)))
+open(os.environ["FAKE_STUB_LOG"], "a").write(" ".join(sys.argv[1:]) + "\\n")
+open(os.environ["FAKE_STUB_READY"], "w").close()
+signal.pause()
+"""
+
+
+def fake_slurm(bin_dir: Path) -> None:
+    bin_dir.mkdir()
+    for name, text in (("sbatch", FAKE_SBATCH.format(python=sys.executable)),
+                       ("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL),
+                       ("resume-stub", STUB.format(python=sys.executable))):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    # A wrapper, not a symlink: a symlink to the venv's python would lose the venv.
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python").chmod(0o755)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slurm_env(project: Path, bin_dir: Path, log: Path, **extra: str) -> dict[str, str]:
+    return dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                PYTHONPATH=str(project / "src"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                FAKE_SLURM_LOG=str(log), RDZV_PORT=str(free_port()), **extra)
+
+
+def test_slurm_script_directives(project):
+    sbatch = (project / "launch/slurm.sbatch").read_text()
+    directives = [line for line in sbatch.splitlines() if line.startswith("#SBATCH ")]
+    assert "#SBATCH --signal=B:USR1@75" in directives          # grace 45 s + 30 s margin
+    assert "#SBATCH --requeue" in directives
+    output = next(d for d in directives if d.startswith("#SBATCH --output="))
+    # A file in the submit directory, which exists: Slurm creates no directory for it.
+    assert "/" not in output.partition("=")[2]
+
+
+def test_slurm_script_runs_training_under_fake_slurm(project, tmp_path):
+    """sbatch from the project directory, as the README says: the body runs the real
+    resume -> torchrun -> train on one CPU rank for two steps and exits 0."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "slurm.log"
+    fake_slurm(bin_dir)
+    env = slurm_env(project, bin_dir, log, FAKE_GPUS_ON_NODE="1")
+    ckpt = tmp_path / "ck"
+    proc = subprocess.run(
+        ["sbatch", "launch/slurm.sbatch", "train.max_steps=2", "checkpoint.interval_steps=1",
+         "checkpoint.async_mode=sync", f"checkpoint.dir={ckpt}", f"log.dir={tmp_path / 'logs'}",
+         "model.d_model=32", "log.every_steps=1"],
+        cwd=project, env=env, capture_output=True, text=True, timeout=600, check=False)
+    output = project / "slurm-4242.out"
+    body = output.read_text() if output.exists() else ""
+    assert proc.returncode == 0, proc.stderr + body[-5000:]
+    calls = log.read_text().splitlines()
+    directives = json.loads(calls[0].removeprefix("sbatch "))
+    assert directives["--gpus-per-node"] == "4" and directives["--requeue"] == ""
+    srun = next(c for c in calls if c.startswith("srun "))
+    assert "python -m spot_trainer.resume --nproc-per-node 1 --nnodes 1" in srun
+    assert "--rdzv-id 4242" in srun
+    assert not any(c.startswith("scontrol requeue") for c in calls)
+    assert (ckpt / "step_000000002" / "commit.json").is_file()
+
+
+def test_slurm_script_forwards_usr1_and_requeues_on_75(project, tmp_path):
+    """Slurm's USR1 to the batch shell reaches the job step; exit 75 requeues the job."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "slurm.log"
+    fake_slurm(bin_dir)
+    stub_log, ready = tmp_path / "stub.log", tmp_path / "ready"
+    env = slurm_env(project, bin_dir, log, FAKE_SRUN_STUB=str(bin_dir / "resume-stub"),
+                    FAKE_STUB_LOG=str(stub_log), FAKE_STUB_READY=str(ready),
+                    FAKE_JOB_ID="777")
+    batch = subprocess.Popen(["sbatch", "launch/slurm.sbatch", "train.max_steps=9"],
+                             cwd=project, env=env)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert batch.poll() is None and time.monotonic() < deadline, "the job step never started"
+        time.sleep(0.05)
+    batch.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@N does: to the batch shell
+    assert batch.wait(timeout=60) == 0
+    stub_calls = stub_log.read_text().splitlines()
+    assert stub_calls[0].startswith("python -m spot_trainer.resume --nproc-per-node 4 --nnodes 1")
+    assert stub_calls[0].endswith("train.max_steps=9") and stub_calls[1] == "USR1"
+    assert "scontrol requeue 777" in log.read_text().splitlines()
+    assert "requeueing job 777" in (project / "slurm-777.out").read_text()

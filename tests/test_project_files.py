@@ -1,0 +1,121 @@
+"""The files around the code: ignore files, the release notes, help texts and the plot."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from conftest import REPO, package_of, render, run_in
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid",
+                           "-c", "init.defaultBranch=main", *args], cwd=cwd, check=True,
+                          capture_output=True, text=True).stdout
+
+
+# ---------------------------------------------------------- ignore files ----
+
+def test_training_leaves_the_git_checkout_clean(tmp_path):
+    """After a run, `git status` is clean (so `copier update` is not refused) and nothing
+    training wrote is committed by `git add -A`."""
+    project = render(tmp_path / "p", checkpoint_dir="runs/ckpt")
+    git(project, "init", "-q")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "generated")
+    package = package_of(project)
+    proc = run_in(project, "-m", f"{package}.train", "train.max_steps=2",
+                  "checkpoint.interval_steps=1", "checkpoint.async_mode=sync", "model.d_model=32")
+    assert "finished at step 2" in proc.stdout
+    run_in(project, "-m", f"{package}.train", "train.max_steps=2", "checkpoint.dir=checkpoints",
+           "checkpoint.async_mode=sync", "model.d_model=32")
+    (project / "slurm-12.out").write_text("a Slurm job's output\n")
+    assert (project / "runs/ckpt/step_000000002/commit.json").is_file()
+    assert (project / "logs/metrics.jsonl").is_file() and (project / "checkpoints").is_dir()
+    assert git(project, "status", "--porcelain", "--untracked-files=all") == ""
+
+
+def test_docker_build_context_leaves_out_training_output(default_project):
+    patterns = [line for line in (default_project / ".dockerignore").read_text().splitlines()
+                if line and not line.startswith("#")]
+    for name in (".git", "checkpoints", "logs", ".venv", "**/__pycache__"):
+        assert name in patterns, name
+    # What the Dockerfile copies stays in.
+    for name in ("src", "configs", "pyproject.toml", "README.md"):
+        assert name not in patterns
+    copied = re.findall(r"^COPY (.+?) \S+$", (default_project / "Dockerfile").read_text(),
+                        re.MULTILINE)
+    assert copied == ["pyproject.toml README.md", "src", "configs"]
+
+
+# ------------------------------------------------------- release notes ----
+
+def test_the_tag_the_readme_names_is_in_the_changelog():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    tags = set(re.findall(r"--vcs-ref (v\d+\.\d+\.\d+)", readme))
+    assert tags, "the README's copier commands name a release tag"
+    assert "<tag>" not in readme
+    changelog = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
+    released = set(re.findall(r"^## (v\d+\.\d+\.\d+)\b", changelog, re.MULTILINE))
+    assert tags <= released, tags - released
+
+
+# --------------------------------------------------------- help and plots ----
+
+def test_bench_help_says_to_run_it_under_torchrun(default_project):
+    proc = run_in(default_project, "-m", f"{package_of(default_project)}.bench", "--help",
+                  timeout=120)
+    assert "torchrun --nproc-per-node" in proc.stdout
+
+
+PLOT_PROBE = """
+import runpy, sys
+import matplotlib
+matplotlib.use("Agg")
+from matplotlib.figure import Figure
+figures = []
+save = Figure.savefig
+def keep(self, *args, **kwargs):
+    figures.append(self)
+    return save(self, *args, **kwargs)
+Figure.savefig = keep
+sys.argv = ["plan", "--plot", sys.argv[1]]
+try:
+    runpy.run_module("{package}.plan", run_name="__main__")
+except SystemExit as exc:
+    assert not exc.code, exc.code
+(fig,) = figures
+renderer = fig.canvas.get_renderer()
+(ax,) = fig.axes
+legend = ax.get_legend()
+print("title:", ax.get_title())
+print("overlap:", legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer)))
+"""
+
+
+def test_badput_plot_legend_is_off_the_curve_and_title_gives_t_and_target(default_project,
+                                                                         tmp_path):
+    package = package_of(default_project)
+    out = tmp_path / "badput.png"
+    proc = run_in(default_project, "-c", PLOT_PROBE.replace("{package}", package), str(out),
+                  timeout=120)
+    assert out.stat().st_size > 0
+    assert "overlap: False" in proc.stdout  # the legend sits beside the axes, not on them
+    title = next(line for line in proc.stdout.splitlines() if line.startswith("title:"))
+    assert "T = 2 s" in title and "target 5 %" in title, title
+
+
+def test_plot_hints_name_the_projects_plot_extra(default_project):
+    package = package_of(default_project)
+    blocked = ("import sys, runpy; sys.modules['matplotlib'] = None; "
+               f"sys.argv = ['plan', '--plot', 'x.png']; runpy.run_module('{package}.plan', "
+               "run_name='__main__')")
+    proc = run_in(default_project, "-c", blocked, check=False, timeout=120)
+    assert proc.returncode == 1
+    assert "pip install -e '.[plot]'" in proc.stderr, proc.stderr
+    pyproject = (default_project / "pyproject.toml").read_text()
+    assert re.search(r'^plot = \["matplotlib', pyproject, re.MULTILINE)
+    for path in default_project.rglob("*"):
+        if path.is_file() and path.suffix in (".py", ".md", ".toml", ".yaml"):
+            assert "pip install matplotlib" not in path.read_text(encoding="utf-8"), path
