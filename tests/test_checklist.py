@@ -245,13 +245,16 @@ def test_plan_without_flags_reads_the_rendered_config(project):
 def test_checklist_states_match_the_answers(project):
     answers, checklist = project["answers"], project["checklist"]
     boxes = re.findall(r"^- \[([ x])\] \*\*", checklist, re.MULTILINE)
-    # persistent storage, shards + metadata, interval, async, drill, grace period
-    assert len(boxes) == 6
+    # persistent storage, shards + metadata, who may write the directory, interval, async,
+    # drill, grace period
+    assert len(boxes) == 7
     directory = answers["checkpoint_dir"]
     assert (boxes[0] == "x") == bool(re.match(r"(s3|gs|gcs|az|abfs|abfss)://", directory))
-    assert boxes[1:3] == ["x", "x"]
-    assert (boxes[3] == "x") == (answers["async_mode"] != "sync")
-    assert boxes[4] == " "  # the drill is the user's to run
+    assert boxes[1] == "x"
+    assert boxes[2] == " "  # only the job may write checkpoint.dir: the user's to check
+    assert boxes[3] == "x"
+    assert (boxes[4] == "x") == (answers["async_mode"] != "sync")
+    assert boxes[5] == " "  # the drill is the user's to run
     grace, needed = answers["grace_period_seconds"], (answers["step_time_seconds"]
                                                       + answers["checkpoint_save_seconds"])
     notice = {"aws": 120, "gcp": 30, "azure": 30}.get(answers["cloud"], math.inf)

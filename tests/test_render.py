@@ -107,7 +107,7 @@ def test_unusual_answers_render_and_train(tmp_path, name):
     assert config["preemption"]["notice_source"] == answers["cloud"]
     # The quick part of the generated suite (no multi-rank runs) exercises every module.
     proc = run_in(project, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                  "tests/test_config.py", "tests/test_data.py",
+                  "tests/test_config.py", "tests/test_sampling.py",
                   "tests/test_checkpoint_layout.py")
     assert " passed" in proc.stdout
     if not answers.get("checkpoint_dir", "").startswith("s3://"):

@@ -71,7 +71,8 @@ def checksum_entry(storage: Storage, name: str, size: int) -> dict[str, Any]:
 
 def record_fields() -> dict[str, Any]:
     """The commit.json fields that say how the checksums were computed."""
-    return {"checksum": {"algorithm": ALGORITHM, "block_bytes": BLOCK_BYTES}}
+    checksum = {"algorithm": ALGORITHM, "block_bytes": BLOCK_BYTES}
+    return {"checksum": checksum}
 
 
 def file_sizes(record: dict[str, Any]) -> dict[str, int] | None:
