@@ -116,3 +116,14 @@ def test_unusual_answers_render_and_train(tmp_path, name):
                       "checkpoint.interval_steps=2", f"checkpoint.dir={tmp_path / 'ck'}",
                       f"log.dir={tmp_path / 'logs'}", "model.d_model=32")
         assert "finished at step 4" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_ddp_render_trains_resumes_and_syncs_gradients(tmp_path):
+    """The multi-rank training and resume tests on a DDP render: a 2-rank run resumed on 1
+    rank must match it, which fails when the ranks never synchronise their gradients."""
+    project = render(tmp_path / "ddp", parallelism="ddp")
+    proc = run_in(project, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--run-slow",
+                  "tests/test_train.py", "tests/test_resume.py", "-k",
+                  "two_ranks or another_world_size or bit_identical or drill_two_ranks")
+    assert " passed" in proc.stdout and " failed" not in proc.stdout

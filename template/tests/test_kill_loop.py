@@ -37,12 +37,13 @@ def test_a_hundred_sigkills_lose_nothing_and_tear_nothing(tmp_path):
     for kill in range(KILLS):
         steps_before = len(read_events(logs, "step"))
         proc = start("train", *args, log_file=tmp_path / f"run{kill % 2}.log")
-        if rng.random() < 0.3:              # during start-up: building, resuming, warming up
+        if rng.random() < 0.25:             # during start-up: building, resuming, warming up
             time.sleep(rng.uniform(0.0, 3.0))
         else:                               # during training, saving, committing
-            wait_until(lambda n=steps_before: len(read_events(logs, "step")) > n, proc,
-                       "a step", timeout=300, log_file=tmp_path / f"run{kill % 2}.log")
-            time.sleep(rng.uniform(0.0, 2.0))
+            target = steps_before + rng.randint(1, 6)
+            wait_until(lambda n=target: len(read_events(logs, "step")) >= n, proc,
+                       "training", timeout=300, log_file=tmp_path / f"run{kill % 2}.log")
+            time.sleep(rng.uniform(0.0, 0.5))
         os.killpg(proc.pid, signal.SIGKILL)    # the whole job: trainer and checkpoint process
         proc.wait()
         steps = committed(storage)
@@ -60,7 +61,7 @@ def test_a_hundred_sigkills_lose_nothing_and_tear_nothing(tmp_path):
           f"(write time median {sorted(save_times)[len(save_times) // 2] if save_times else 0:.2f}"
           " s)")
     assert torn == 0 and lost == 0
-    assert newest >= 20 and len(save_times) >= 10     # the loop really saved and resumed
+    assert newest >= KILLS // 2 and len(save_times) >= KILLS // 4   # it saved and resumed
 
     # The same steps, uninterrupted: every step any interrupted run logged matches it.
     ref_logs = tmp_path / "ref-logs"

@@ -140,7 +140,7 @@ def test_dry_run_on_an_empty_directory_prints_one_json_line(tmp_path):
 
 
 def test_dry_run_after_a_run_shows_the_new_accumulation(dropout_reference, capsys):
-    code, out, _ = dry_run(capsys, "--nproc-per-node", "1", *BATCH,
+    code, out, _ = dry_run(capsys, "--nproc-per-node", "1", *SMALL,
                            f"checkpoint.dir={dropout_reference / 'ckpt'}")
     assert code == 0
     name = project_module("checkpoint").step_name(STEPS)
@@ -157,7 +157,7 @@ def test_damaged_newest_checkpoints_are_skipped(dropout_reference, tmp_path, cap
     (ckpt / step_name(STEPS) / "commit.json").unlink()            # the save never committed
     with open(ckpt / step_name(STEPS - 2) / ".metadata", "r+b") as handle:
         handle.truncate(10)                                         # cut off mid-write
-    code, out, _ = dry_run(capsys, "--nproc-per-node", "2", *BATCH, f"checkpoint.dir={ckpt}")
+    code, out, _ = dry_run(capsys, "--nproc-per-node", "2", *SMALL, f"checkpoint.dir={ckpt}")
     assert code == 0
     assert json.loads(out)["step"] == STEPS - 4
     assert json.loads(out)["checkpoint"] == str(ckpt / step_name(STEPS - 4))

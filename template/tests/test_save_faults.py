@@ -39,20 +39,30 @@ def _rank_of(pid: int) -> str | None:
     return None
 
 
-def _checkpoint_processes(rank: str) -> list[int]:
-    """DCP's background checkpoint processes of one rank (spawned children of a worker)."""
-    found = []
+def _checkpoint_processes(job: int, rank: str) -> list[int]:
+    """DCP's background checkpoint processes of one rank of the job started as ``job``
+    (spawned descendants of that rank's worker)."""
+    parents, cmdlines = {}, {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes()
+            stat = (entry / "stat").read_text()
+            cmdlines[int(entry.name)] = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline \
-                and _rank_of(int(entry.name)) == rank:
-            found.append(int(entry.name))
-    return found
+        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+
+    def in_job(pid: int) -> bool:
+        while pid > 1:
+            if pid == job:
+                return True
+            pid = parents.get(pid, 0)
+        return False
+
+    return [pid for pid, cmdline in cmdlines.items()
+            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline
+            and _rank_of(pid) == rank and in_job(pid)]
 
 
 @pytest.mark.slow
@@ -64,9 +74,11 @@ def test_a_checkpoint_process_killed_while_it_starts_costs_no_hang(run_dirs, tmp
     killed: list[int] = []
     stop = threading.Event()
 
+    job: list[int] = []
+
     def kill_rank1_checkpoint_process():
         while not stop.is_set() and not killed:
-            for pid in _checkpoint_processes("1"):
+            for pid in _checkpoint_processes(job[0], "1") if job else ():
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
             time.sleep(0.005)
@@ -78,6 +90,7 @@ def test_a_checkpoint_process_killed_while_it_starts_costs_no_hang(run_dirs, tmp
                                      "checkpoint.start_timeout_s=15",
                                      "checkpoint.wait_timeout_s=20"),
                  log_file=log, nproc=2)
+    job.append(proc.pid)
     try:
         code = finish(proc, timeout=150)
     finally:
