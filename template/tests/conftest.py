@@ -47,13 +47,15 @@ def run_module(module: str, *args: str, cwd: Path = ROOT, timeout: float = 300,
 def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
     """The project's own torchrun command line (launch.torchrun_command) for these args.
 
-    The preemption settings come from configs/train.yaml with the key=value arguments
-    applied, so signals and the shutdown timeout are what the job would really get.
+    The preemption and recovery settings come from configs/train.yaml with the key=value
+    arguments applied, so signals, the shutdown timeout and in-place restarts are what
+    the job would really get.
     """
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
     config = project_module("config").load_config(ROOT / "configs/train.yaml", overrides)
-    return project_module("launch").torchrun_command(module, list(args), config.preemption,
-                                                     nproc_per_node=nproc)
+    return project_module("launch").torchrun_command(
+        module, list(args), config.preemption, nproc_per_node=nproc,
+        max_restarts=config.recovery.max_restarts)
 
 
 def torchrun(nproc: int, module: str, *args: str, cwd: Path = ROOT, timeout: float = 300,

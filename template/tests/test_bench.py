@@ -1,17 +1,44 @@
-"""The save-time benchmark runs end to end and reports figures that make sense."""
+"""The benchmark runs end to end and reports figures that make sense."""
 
 import json
 
+import pytest
+
 from conftest import torchrun
 
+TINY = ["model.d_model=32", "model.n_layers=1"]
+FIGURES = ("baseline", "dcp_sync", "disk_bound", "async_blocking", "async_commit",
+           "copy_bound", "read_bound", "load", "verify", "baseline_load")
+RATIOS = ("baseline/blocking", "blocking/copy_bound", "commit/disk_bound", "load/read_bound",
+          "stall/copy_bound")
 
-def test_bench_reports_every_method_and_plan_cache_hits():
-    proc = torchrun(2, "bench", "--repeats", "2", "--json", "model.d_model=32",
-                    "model.n_layers=1")
+
+def test_bench_reports_every_figure_ratio_and_plan_cache_hits():
+    proc = torchrun(2, "bench", "--repeats", "2", "--json", *TINY)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["world_size"] == 2
-    for name in ("baseline", "dcp_sync", "disk_bound", "async_blocking", "async_commit"):
-        assert report["median_s"][name] > 0
-    assert report["median_s"]["async_commit"] >= report["median_s"]["async_blocking"]
+    med = report["median_s"]
+    for name in FIGURES:
+        assert med[name] > 0, (name, report)
+    assert isinstance(med["stall"], float), report   # a difference of step times: may be < 0
+    assert med["async_commit"] >= med["async_blocking"]
+    assert set(report["ratios"]) == set(RATIOS)
+    assert all(isinstance(value, float) for value in report["ratios"].values())
+    loop = report["loop"]
+    assert loop["counts"]["save"] == 3 and loop["counts"]["clean"] >= 1, loop
+    assert loop["failed_saves"] == 0
+    assert report["first_save"]["blocking_s"] > 0
     assert report["plan_cache_hits"] == 2          # every timed save after the warm-up
+    assert report["staged_fast"] >= 3              # saves after the first reuse the buffers
     assert report["staging_bytes_per_rank"] > 0
+
+
+@pytest.mark.slow
+def test_bench_train_steps_prints_the_throughput_ratio():
+    proc = torchrun(2, "bench", "--train-steps", "6", "--interval", "3", "--repeats", "1",
+                    "--json", *TINY)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["train_steps"] == 6 and report["interval"] == 3
+    assert report["samples_per_s"]["with"] > 0 and report["samples_per_s"]["without"] > 0
+    assert 0 < report["throughput_ratio"] < 10
+    assert report["failed_saves"] == 0

@@ -26,7 +26,11 @@ def committed(storage) -> list[int]:
     return [c.step for c in project_module("checkpoint").list_committed(storage, warn=False)]
 
 
+# Opt-in (KILL_LOOP=1): about 10 minutes on a quiet 2-core machine, and the last run (100
+# kills, 0 torn, 0 lost) found losses after one resume differing from the uninterrupted run
+# by about 1e-7 from step 23 on: an open finding, not yet explained, so not a CI gate.
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("KILL_LOOP") != "1", reason="opt-in: KILL_LOOP=1")
 def test_a_hundred_sigkills_lose_nothing_and_tear_nothing(tmp_path):
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     args = [*MODEL, f"checkpoint.dir={ckpt}", f"log.dir={logs}"]

@@ -143,7 +143,8 @@ def test_torchrun_command_forwards_preemption_signals_and_outwaits_the_grace():
         ROOT / "configs/train.yaml", ["preemption.grace_period_s=45.5",
                                       "preemption.signals=[SIGTERM,SIGUSR2]"])
     cmd = project_module("launch").torchrun_command("train", [], config.preemption,
-                                                    nproc_per_node=2)
+                                                    nproc_per_node=2,
+                                                    max_restarts=config.recovery.max_restarts)
     handled = next(a for a in cmd if a.startswith("--signals-to-handle=")).split("=")[1]
     assert {"SIGTERM", "SIGINT", "SIGUSR2"} <= set(handled.split(","))
     timeout = int(next(a for a in cmd if a.startswith("--shutdown-timeout=")).split("=")[1])

@@ -1,5 +1,6 @@
 """The harness decides which samples each rank reads, from one global position."""
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -62,3 +63,17 @@ def test_generated_corpus_is_deterministic():
     text = project_module("datasets")
     assert text.generate_corpus(5000) == text.generate_corpus(5000)
     assert len(text.generate_corpus(5000)) == 5000
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 37, 1000, 4097])
+def test_permutation_is_a_bijection_that_depends_on_the_seed(sampling, n):
+    orders = [sampling.Permutation(n, seed)(np.arange(n)).tolist() for seed in (0, 1)]
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    assert n < 37 or orders[0] != orders[1]
+
+
+def test_sampler_memory_does_not_grow_with_the_dataset(sampling):
+    """Ten billion samples: the permutation is computed at the positions asked, not stored."""
+    sampler = sampling.GlobalBatchSampler(num_samples=10**10, global_batch_size=4096, seed=1)
+    batch = sampler.global_batch(3 * 10**10 - 100)  # across the end of epoch 2
+    assert len(set(batch.tolist())) == 4096 and 0 <= batch.min() and batch.max() < 10**10

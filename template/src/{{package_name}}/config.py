@@ -164,17 +164,48 @@ class PreemptionConfig:
         _require(math.isfinite(self.grace_period_s) and 0 < self.grace_period_s <= 86400,
                  "preemption.grace_period_s", "must be a finite number of seconds in (0, 86400]",
                  self.grace_period_s)
-        _require(3 <= self.exit_code <= 127 and self.exit_code != exit_codes.NOT_SAVED,
+        _require(3 <= self.exit_code <= 127
+                 and self.exit_code not in (exit_codes.NOT_SAVED, exit_codes.NO_PROGRESS,
+                                            exit_codes.HUNG),
                  "preemption.exit_code",
-                 f"must be in 3..127 and not {exit_codes.NOT_SAVED} (0 finished, 1 crashed, "
-                 f"2 bad configuration, {exit_codes.NOT_SAVED} last state not saved, 128+ "
-                 "killed by a signal)", self.exit_code)
+                 f"must be in 3..127 and not {exit_codes.NOT_SAVED}, {exit_codes.NO_PROGRESS} "
+                 f"or {exit_codes.HUNG} (0 finished, 1 crashed, 2 bad configuration, "
+                 f"{exit_codes.NOT_SAVED} last state not saved, {exit_codes.NO_PROGRESS} no "
+                 f"progress, {exit_codes.HUNG} a hung worker, 128+ killed by a signal)",
+                 self.exit_code)
         _require(self.poll_interval_s > 0, "preemption.poll_interval_s", "must be > 0",
                  self.poll_interval_s)
         _require(self.metadata_url == "" or self.metadata_url.startswith(("http://", "https://")),
                  "preemption.metadata_url",
                  "must be empty (the cloud's own address) or an http:// or https:// URL",
                  self.metadata_url)
+
+
+@dataclass
+class RecoveryConfig:
+    """Failures other than preemptions: in-place restarts, hangs, stragglers (docs/RECOVERY.md)."""
+
+    max_restarts: int = 3             # torchrun --max-restarts: in-place restarts of all workers
+    step_timeout_s: float = 0.0       # watchdog; 0 = automatic: max(60 s, 10 x median step time)
+    first_step_timeout_s: float = 600.0   # the first step of each start, and until steps are measured
+    collective_timeout_s: float = 600.0   # the process group's bound on one collective
+    max_attempts_without_progress: int = 3   # starts in a row without a new checkpoint; 0 = no limit
+    straggler_every_steps: int = 50   # how often ranks compare their step times; 0 = never
+    straggler_ratio: float = 1.5      # slower than the median of ranks by this factor: a straggler
+
+    def __post_init__(self) -> None:
+        for key in ("max_restarts", "max_attempts_without_progress", "straggler_every_steps"):
+            _require(getattr(self, key) >= 0, f"recovery.{key}", "must be >= 0",
+                     getattr(self, key))
+        _require(math.isfinite(self.step_timeout_s) and self.step_timeout_s >= 0,
+                 "recovery.step_timeout_s", "must be a finite number of seconds >= 0 "
+                 "(0 = automatic)", self.step_timeout_s)
+        for key in ("first_step_timeout_s", "collective_timeout_s"):
+            value = getattr(self, key)
+            _require(math.isfinite(value) and value > 0, f"recovery.{key}",
+                     "must be a finite number of seconds > 0", value)
+        _require(math.isfinite(self.straggler_ratio) and self.straggler_ratio > 1,
+                 "recovery.straggler_ratio", "must be a finite number > 1", self.straggler_ratio)
 
 
 @dataclass
@@ -195,8 +226,11 @@ class PlanConfig:
     checkpoint_save_s: float = 10.0
     restart_s: float = 120.0
     badput_target_percent: float = 5.0
+    crash_share: float = 0.5   # assumed share of interruptions that are crashes, not preemptions
 
     def __post_init__(self) -> None:
+        _require(math.isfinite(self.crash_share) and 0 <= self.crash_share <= 1,
+                 "plan.crash_share", "must be a number between 0 and 1", self.crash_share)
         # NaN and ±inf are refused too (NaN fails every comparison; inf is not finite).
         _require(math.isfinite(self.mtbi_hours) and self.mtbi_hours > 0, "plan.mtbi_hours",
                  "must be a finite number > 0 (hours)", self.mtbi_hours)
@@ -225,6 +259,7 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     log: LogConfig = field(default_factory=LogConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
 

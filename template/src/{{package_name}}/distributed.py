@@ -34,11 +34,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def setup(cfg: DistributedConfig) -> Runtime:
+# The process group's default bound on one collective (recovery.collective_timeout_s).
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+def setup(cfg: DistributedConfig,
+          collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Runtime:
     """Join (or, without torchrun, create) the process group and pick the device.
 
     Run without torchrun, the process makes itself a one-rank group, so the same code
     path (FSDP2, DCP, the background checkpoint process) serves both cases.
+
+    ``collective_timeout_s`` bounds each collective (gloo; NCCL with its async error
+    handling). It is longer than the step watchdog's bound on purpose: outside the
+    training loop collectives wait legitimately for minutes (rank 0 checksumming the
+    checkpoint before the broadcast of its choice, the commit barrier, a synchronous
+    final save), and inside the loop the watchdog fires first, with every thread's
+    stack, instead of a bare timeout error (docs/RECOVERY.md).
     """
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -58,7 +70,8 @@ def setup(cfg: DistributedConfig) -> Runtime:
         # CPU collectives are needed for the preemption vote and DCP's own coordination
         # even when training uses NCCL.
         pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
-        dist.init_process_group(pg_backend, timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group(pg_backend,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
     return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 

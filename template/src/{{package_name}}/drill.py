@@ -86,7 +86,8 @@ class Drill:
     def train_command(self, name: str) -> list[str]:
         config = ["--config", self.config] if self.config else []
         return torchrun_command("train", [*config, *self.run_dirs(name)], self.cfg.preemption,
-                                nproc_per_node=self.save_ranks)
+                                nproc_per_node=self.save_ranks,
+                                max_restarts=self.cfg.recovery.max_restarts)
 
     def resume_command(self) -> list[str]:
         config = ["--config", self.config] if self.config else []

@@ -1,8 +1,11 @@
-"""The exit statuses of every command, defined once (docs/PREEMPTION.md explains them).
+"""The exit statuses of every command, defined once (docs/PREEMPTION.md and
+docs/RECOVERY.md explain them).
 
-A scheduler reads these: 0 and ``BAD_INPUT`` end the job; ``preemption.exit_code``
-(``PREEMPTED``, 75 by default) and ``NOT_SAVED`` ask for another run, which resumes
-from the newest committed checkpoint.
+A scheduler reads these: 0, ``BAD_INPUT`` and ``NO_PROGRESS`` end the job;
+``preemption.exit_code`` (``PREEMPTED``, 75 by default) and ``NOT_SAVED`` ask for
+another run, which resumes from the newest committed checkpoint. ``HUNG`` is a worker's
+own status when its watchdog fires: torchrun restarts the workers in place on it, and a
+launcher never sees it (``resume`` reports torchrun's).
 """
 
 OK = 0             # finished (train, resume), passed (drill, verify)
@@ -10,4 +13,12 @@ FAILED = 1         # crashed, or a check failed (drill, verify)
 BAD_INPUT = 2      # refused before running: configuration, arguments, a task breaking its contract
 NOT_SAVED = 73     # training ended but its last state is not in a committed checkpoint: run again
 PREEMPTED = 75     # default of preemption.exit_code: EX_TEMPFAIL, "run me again"
+NO_PROGRESS = 79   # recovery.max_attempts_without_progress starts in a row ended without a
+                   # new checkpoint: do NOT retry; fix the cause first (docs/RECOVERY.md)
+HUNG = 124         # a worker's watchdog: no step finished in recovery.step_timeout_s (as timeout(1))
 INTERRUPTED = 130  # Ctrl-C (128 + SIGINT): stopped by the user, the state saved first
+
+# Statuses training decides and logs in its ``end`` event, which ``resume`` passes on as
+# they are (torchrun reports 1 for every one of them); preemption.exit_code is told apart
+# by the checkpoint or the stop it leaves behind.
+FINAL = (BAD_INPUT, NOT_SAVED, NO_PROGRESS, INTERRUPTED)

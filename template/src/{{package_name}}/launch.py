@@ -2,7 +2,11 @@
 
 torchrun forwards only the signals it is told to handle, and kills the workers
 ``--shutdown-timeout`` seconds after forwarding one. Both must fit the preemption
-settings, or the final checkpoint is cut off mid-write.
+settings, or the final checkpoint is cut off mid-write. ``--max-restarts``
+(``recovery.max_restarts``) lets torchrun restart all workers in place when one of them
+fails; a worker that ends with a status decided by training (preempted, not saved,
+refused, no progress) tells torchrun to stop instead (train.py), so only crashes and
+hangs are restarted in place.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from .config import PreemptionConfig
 # torchrun's own defaults; kept so that Ctrl-C and hang-ups still reach the workers.
 TORCHRUN_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 SHUTDOWN_MARGIN_S = 30
+UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def positive_int(value: str) -> int:
@@ -41,16 +46,25 @@ def shutdown_timeout_s(preemption: PreemptionConfig) -> int:
 
 
 def torchrun_command(module: str, args: list[str], preemption: PreemptionConfig, *,
-                     nproc_per_node: int | str, nnodes: str = "1",
+                     nproc_per_node: int | str, max_restarts: int, nnodes: str = "1",
                      rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
                      python: str = sys.executable) -> list[str]:
     """``python -m torch.distributed.run ... -m <package>.<module> args``.
 
     One node runs standalone (a free local port); several nodes meet at
-    ``rdzv_endpoint`` through the c10d rendezvous.
+    ``rdzv_endpoint`` through the c10d rendezvous. ``max_restarts`` is
+    ``recovery.max_restarts``: how often torchrun restarts all workers in place.
     """
-    cmd = [python, "-m", "torch.distributed.run",
+    if max_restarts < 0:
+        raise ValueError(f"recovery.max_restarts must be >= 0 (got {max_restarts})")
+    # By default torchrun lends its rendezvous store to the workers, and what one attempt
+    # wrote there stays: after an in-place restart the new process group read the dead
+    # ranks' addresses and never connected (torch 2.13, gloo; DCP's checkpoint process
+    # group likewise). Unshared, rank 0 of every attempt hosts a fresh store.
+    env = ["env", f"{UNSHARED_STORE}=1"] if max_restarts > 0 else []
+    cmd = [*env, python, "-m", "torch.distributed.run",
            f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}",
+           f"--max-restarts={max_restarts}",
            f"--signals-to-handle={signals_to_handle(preemption)}",
            f"--shutdown-timeout={shutdown_timeout_s(preemption)}"]
     if nnodes == "1" and rdzv_endpoint is None:

@@ -27,6 +27,9 @@ class Event(str, enum.Enum):
     save_mode_changed = "save_mode_changed"  # saves fell back to synchronous
     preemption = "preemption"                # a stop request was handled
     end = "end"                              # the run's exit status and why (rank 0)
+    recovered = "recovered"                  # the first step after a start that followed a failure
+    hang = "hang"                            # a rank's watchdog fired (written by that rank)
+    straggler = "straggler"                  # a rank slower than the others (rank 0)
 
 
 def metrics_file(log_dir_or_file: str | os.PathLike) -> Path:
@@ -87,6 +90,22 @@ class EventTail:
         end = data.rfind(b"\n") + 1
         self.offset += end
         return [e for e in map(parse_line, data[:end].splitlines()) if e is not None]
+
+
+def append_event(log_dir: str | os.PathLike, kind: Event, **fields: Any) -> None:
+    """Append one event from any rank, in one write: a line shorter than the pipe buffer is
+    never interleaved with rank 0's (each of its lines is one write too).
+
+    For what a rank other than 0 must record itself, e.g. its watchdog firing.
+    """
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    record = {"event": Event(kind).value, **fields, "time": time.time()}
+    line = (json.dumps(record) + "\n").encode()
+    fd = os.open(Path(log_dir) / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
 
 
 class MetricsLog:

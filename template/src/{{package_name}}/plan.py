@@ -41,7 +41,10 @@ FLAGS = {
     "commit_latency_seconds": ("--commit-latency-seconds", "checkpoint_save_s"),
     "restart_seconds": ("--restart-seconds", "restart_s"),
     "badput_target_percent": ("--badput-target-percent", "badput_target_percent"),
+    "crash_share": ("--crash-share", "crash_share"),
 }
+# Without a flag or a config, an assumption: half of the interruptions are crashes.
+ASSUMED = {"crash_share": Inputs.__dataclass_fields__["crash_share"].default}
 
 MEASURED_FIELDS = ("step_seconds", "blocking_seconds", "commit_latency_seconds")
 
@@ -68,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="from an interruption until training runs again")
     parser.add_argument("--badput-target-percent", metavar="P", **num,
                         help="share of machine time you accept losing, percent (0-100)")
+    parser.add_argument("--crash-share", metavar="C", **num,
+                        help="assumed share of interruptions that are crashes, restarted in "
+                             "place, rather than preemptions, rescheduled (0-1; default 0.5)")
+    parser.add_argument("--in-place-restart-seconds", metavar="R_IN", **num,
+                        help="from a crash until training runs again after torchrun restarted "
+                             "the workers in place (default: measured by --metrics)")
     parser.add_argument("--metrics", metavar="FILE",
                         help="metrics.jsonl (or its folder) from training: T, δ and L are its "
                              "medians")
@@ -116,10 +125,14 @@ def main(argv: list[str] | None = None) -> int:
 
     values, origins = resolve_inputs(args, config, config_path, measured, parser)
     inputs = Inputs(**values)
+    in_place = args.in_place_restart_seconds
+    if in_place is None and measured is not None:
+        in_place = measured.in_place_restart_seconds
+    origins["in_place_restart_seconds"] = "--in-place-restart-seconds"
     try:
-        plan = make_plan(inputs)
+        plan = make_plan(inputs, in_place)
     except PlanInputError as exc:
-        flag = FLAGS[exc.field][0]
+        flag = FLAGS[exc.field][0] if exc.field in FLAGS else "--in-place-restart-seconds"
         parser.error(f"argument {flag}: {exc.message}"
                      + ("" if origins[exc.field] == flag else f" (from {origins[exc.field]})"))
 
@@ -180,6 +193,8 @@ def resolve_inputs(args, config: Config | None, config_path: str, measured, pars
             values[field], origins[field] = values["blocking_seconds"], "--blocking-seconds"
         elif config is not None:
             values[field], origins[field] = getattr(config.plan, key), f"plan.{key} in {config_path}"
+        elif field in ASSUMED:
+            values[field], origins[field] = ASSUMED[field], "an assumption"
         else:
             parser.error(f"missing {flag} (no {DEFAULT_CONFIG} here; pass the flag or "
                          "--config PATH)")

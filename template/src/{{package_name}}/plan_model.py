@@ -1,9 +1,11 @@
 """The checkpoint interval plan: the model, the one source of its formulas.
 
     M   mean time between interruptions (s)     T   time of one optimizer step (s)
-    δ   time one save blocks training (s)       R   restart time (s)
+    δ   time one save blocks training (s)       R   restart time: rescheduled by the scheduler, until training runs again (s)
     L   commit latency, from save start until the checkpoint is committed (s), L >= δ
     target   accepted badput (fraction of machine time)
+    R_in     in-place restart time: torchrun restarts the workers after a crash (s)
+    c        crash share: the share of interruptions that are crashes, not preemptions
 
 Expected badput when training runs τ seconds between saves:
 
@@ -13,6 +15,16 @@ The first term is the share of time training is blocked by saves. The second is
 what one interruption costs, spread over M: the restart, half an interval of
 work on average, and the work done while the newest save was still committing
 (an interruption then falls back to the save before it).
+
+Crashes (a worker dies or hangs) are restarted in place by torchrun in R_in, without
+giving up the machines; preemptions are rescheduled in R. With a share c of crashes the
+restart term is ((1-c)R + c·R_in)/M, so in-place restarts save
+
+    S = c(R - R_in)/M
+
+of machine time; B above is the plan without them (every interruption rescheduled).
+c is an assumption (plan.crash_share, default 0.5); R_in is measured (``recovered``
+events of in-place restarts in metrics.jsonl). The interval does not depend on R.
 
 The interval is Daly's higher-order estimate (Daly 2006, Future Generation
 Computer Systems 22(3)); its first term, √(2δM), is Young's (1974).
@@ -52,6 +64,7 @@ class Inputs:
     commit_latency_seconds: float
     restart_seconds: float
     badput_target_percent: float
+    crash_share: float = 0.5
 
     @property
     def mtbi_seconds(self) -> float:
@@ -86,6 +99,9 @@ class Inputs:
                 "badput_target_percent",
                 f"must be between 0 and 100, exclusive (got {self.badput_target_percent:g})",
             )
+        if not 0 <= self.crash_share <= 1:
+            raise PlanInputError("crash_share",
+                                 f"must be between 0 and 1 (got {self.crash_share:g})")
 
 
 # ---------------------------------------------------------------- formulas ----
@@ -109,6 +125,12 @@ def badput_components(tau: float, inputs: Inputs) -> dict[str, float]:
         "commit_latency": inputs.commit_latency_seconds / mtbi,
         "restart": inputs.restart_seconds / mtbi,
     }
+
+
+def in_place_saving(inputs: Inputs, in_place_restart_seconds: float) -> float:
+    """S = c(R - R_in)/M: the badput in-place restarts save (negative if R_in > R)."""
+    return (inputs.crash_share * (inputs.restart_seconds - in_place_restart_seconds)
+            / inputs.mtbi_seconds)
 
 
 def young_interval(delta: float, mtbi: float) -> float:
@@ -207,6 +229,15 @@ class Plan:
     badput_at_half_interval: float
     double_interval_steps: int
     badput_at_double_interval: float
+    in_place_restart_seconds: float | None = None   # R_in, when measured or given
+    in_place_saving: float | None = None            # S at the recommended interval
+
+    @property
+    def expected_badput_with_in_place(self) -> float | None:
+        """B - S: the plan's badput when crashes are restarted in place."""
+        if self.in_place_saving is None:
+            return None
+        return self.expected_badput - self.in_place_saving
 
     @property
     def interval_seconds(self) -> float:
@@ -217,9 +248,17 @@ class Plan:
         return self.max_interval_steps is not None
 
 
-def make_plan(inputs: Inputs) -> Plan:
-    """Check the inputs (PlanInputError if out of range) and compute the plan."""
+def make_plan(inputs: Inputs, in_place_restart_seconds: float | None = None) -> Plan:
+    """Check the inputs (PlanInputError if out of range) and compute the plan.
+
+    With ``in_place_restart_seconds`` (R_in) the plan also says what in-place restarts
+    save at the inputs' MTBI and crash share.
+    """
     inputs.check()
+    if in_place_restart_seconds is not None and not (
+            math.isfinite(in_place_restart_seconds) and in_place_restart_seconds >= 0):
+        raise PlanInputError("in_place_restart_seconds",
+                             f"must be a finite number >= 0 (got {in_place_restart_seconds})")
     step = inputs.step_seconds
     n = recommended_interval_steps(inputs)
     # "Twice as often" never goes below the shortest allowed interval.
@@ -240,6 +279,9 @@ def make_plan(inputs: Inputs) -> Plan:
         badput_at_half_interval=badput(half * step, inputs),
         double_interval_steps=2 * n,
         badput_at_double_interval=badput(2 * n * step, inputs),
+        in_place_restart_seconds=in_place_restart_seconds,
+        in_place_saving=(None if in_place_restart_seconds is None
+                         else in_place_saving(inputs, in_place_restart_seconds)),
     )
 
 
@@ -265,13 +307,18 @@ class Measured:
     warmup_only: bool  # every save left was a warm-up, so they were kept
     latency_raised: bool  # the median latency came out below the median blocking time
     skipped_lines: int
+    # R_in: median seconds from a failure to the first step after torchrun restarted the
+    # workers in place (``recovered`` events), None when none happened.
+    in_place_restart_seconds: float | None = None
+    in_place_restart_count: int = 0
 
 
 def read_metrics(path: str | os.PathLike) -> Measured:
     """Medians of step time, save blocking time and commit latency from metrics.jsonl.
 
     The first save after each start is a warm-up (a process save starts its
-    writer process then) and is left out while other saves remain.
+    writer process then) and is left out while other saves remain. In-place restarts
+    (``recovered`` events) give R_in, when there were any.
     """
     path = metrics_file(path)
     if not path.is_file():
@@ -279,10 +326,15 @@ def read_metrics(path: str | os.PathLike) -> Measured:
     step_times: list[float] = []
     saves: list[tuple[str, float, float, bool]] = []  # reason, blocking, latency, warm-up
     first_save_of_run = True
-    events, skipped = read_events(path, Event.start, Event.step, Event.save)
+    in_place: list[float] = []
+    events, skipped = read_events(path, Event.start, Event.step, Event.save, Event.recovered)
     for record in events:
         kind = record["event"]
-        if kind == Event.start:
+        if kind == Event.recovered:
+            if record.get("in_place") is True and _is_number(record.get(
+                    "failure_to_first_step_s")):
+                in_place.append(float(record["failure_to_first_step_s"]))
+        elif kind == Event.start:
             first_save_of_run = True
         elif kind == Event.step and _is_number(record.get("step_time_s")):
             step_times.append(float(record["step_time_s"]))
@@ -324,6 +376,8 @@ def read_metrics(path: str | os.PathLike) -> Measured:
         warmup_only=all(s[3] for s in kept),
         latency_raised=latency < blocking,
         skipped_lines=skipped,
+        in_place_restart_seconds=statistics.median(in_place) if in_place else None,
+        in_place_restart_count=len(in_place),
     )
 
 

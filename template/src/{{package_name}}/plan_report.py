@@ -78,6 +78,7 @@ def format_plan(plan: Plan) -> str:
         f"    commit latency      L/M        {100 * c['commit_latency']:6.2f} %",
         f"    restart             R/M        {100 * c['restart']:6.2f} %",
         f"  no interval does better than {100 * plan.min_badput:.2f} %",
+        "  " + in_place_line(plan),
     ]
     if plan.max_interval_steps is not None:
         n = plan.max_interval_steps
@@ -96,6 +97,17 @@ def format_plan(plan: Plan) -> str:
     )
     return "\n".join(lines)
 
+
+
+def in_place_line(plan: Plan, lang: str = "en") -> str:
+    """In-place restarts (R_in) next to a reschedule (R), and the badput they save."""
+    i, text = plan.inputs, TEXT[lang]
+    if plan.in_place_saving is None:
+        return text["in_place_none"].format(r=i.restart_seconds, c=i.crash_share)
+    return text["in_place"].format(
+        rin=plan.in_place_restart_seconds, r=i.restart_seconds, c=i.crash_share,
+        mtbi=i.mtbi_hours, s=100 * plan.in_place_saving, b=100 * plan.expected_badput,
+        bin=100 * plan.expected_badput_with_in_place)
 
 
 def to_json(plan: Plan) -> dict:
@@ -125,6 +137,12 @@ def to_json(plan: Plan) -> dict:
         "badput_percent_at_half_interval": 100 * plan.badput_at_half_interval,
         "double_interval_steps": plan.double_interval_steps,
         "badput_percent_at_double_interval": 100 * plan.badput_at_double_interval,
+        "in_place_restart_seconds": plan.in_place_restart_seconds,
+        "in_place_saving_percent": (None if plan.in_place_saving is None
+                                    else 100 * plan.in_place_saving),
+        "expected_badput_with_in_place_percent": (
+            None if plan.expected_badput_with_in_place is None
+            else 100 * plan.expected_badput_with_in_place),
         "inputs": {
             "mtbi_hours": i.mtbi_hours,
             "mtbi_seconds": i.mtbi_seconds,
@@ -133,6 +151,7 @@ def to_json(plan: Plan) -> dict:
             "commit_latency_seconds": i.commit_latency_seconds,
             "restart_seconds": i.restart_seconds,
             "badput_target_percent": i.badput_target_percent,
+            "crash_share": i.crash_share,
         },
     }
 
@@ -184,6 +203,15 @@ TEXT = {
         "unreachable_grain": "Only intervals between {lo:.1f} s and {hi:.1f} s meet it, and no "
                              "whole number of {step:g} s steps falls in between. Accept a "
                              "slightly higher target.",
+        "in_place": "Restarts: a crash is restarted in place in R_in = {rin:.1f} s (measured), "
+                    "a preemption is rescheduled in R = {r:g} s (your answer). Assuming a "
+                    "share c = {c:g} of the interruptions are crashes (`plan.crash_share`), "
+                    "in-place restarts save c(R − R_in)/M = {s:.2f} % at M = {mtbi:g} h: "
+                    "expected badput {b:.2f} % → {bin:.2f} %.",
+        "in_place_none": "Restarts: a preemption is rescheduled in R = {r:g} s (your answer); "
+                         "the in-place restart time R_in of a crash is not measured yet (it is "
+                         "once torchrun has restarted the workers in place: `recovered` "
+                         "events). The plan assumes c = {c:g} of interruptions are crashes.",
     },
     "zh": {
         "title": "实测数据，来自 `{path}`",
@@ -223,6 +251,13 @@ TEXT = {
                              "请缩短提交延迟或放宽目标。",
         "unreachable_grain": "只有 {lo:.1f} 秒到 {hi:.1f} 秒之间的间隔能达标，但单步 {step:g} 秒，"
                              "没有整数步数落在这个区间内。把目标稍微放宽即可。",
+        "in_place": "重启：崩溃由 torchrun 原地重启，实测 R_in = {rin:.1f} 秒；抢占由调度器"
+                    "重新调度，R = {r:g} 秒（你的回答）。假设中断中有 c = {c:g} 是崩溃"
+                    "（`plan.crash_share`），在 M = {mtbi:g} 小时下原地重启节省 "
+                    "c(R − R_in)/M = {s:.2f} %：预期 badput {b:.2f} % → {bin:.2f} %。",
+        "in_place_none": "重启：抢占由调度器重新调度，R = {r:g} 秒（你的回答）；崩溃的原地重启"
+                         "时间 R_in 尚未实测（torchrun 原地重启过 worker 之后，`recovered` "
+                         "事件会记录它）。计划假设中断中有 c = {c:g} 是崩溃。",
     },
 }
 
@@ -283,6 +318,7 @@ def render_measured_section(
     bound = plan.simple_bound_steps
     lines.append(text["bound"].format(
         bound=text["bound_none"] if bound is None else text["bound_steps"].format(n=bound)))
+    lines.append("- " + in_place_line(plan, lang))
     if configured_interval_steps is not None:
         same = configured_interval_steps == plan.interval_steps
         lines.append(

@@ -15,8 +15,11 @@ whatever the number of GPUs the new allocation has.
 
 Exit status: 0 training finished; ``preemption.exit_code`` (75 by default) training was
 preempted and can be resumed: run this script again; 2 bad configuration or a world
-size that cannot keep the global batch (nothing was started); otherwise torchrun's
-status (1: a worker crashed; 128+N: torchrun was killed by signal N).
+size that cannot keep the global batch (nothing was started); 73 the last state is not
+saved; 79 starts keep failing without progress: do NOT run it again before the cause is
+fixed (docs/RECOVERY.md); 130 stopped by the user; otherwise torchrun's status (1:
+workers crashed more often than ``recovery.max_restarts`` in-place restarts allow;
+128+N: torchrun was killed by signal N).
 """
 
 from __future__ import annotations
@@ -155,7 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "GPUs: the global batch, learning-rate step and data order carry over, "
                     "gradient accumulation is recomputed.",
         epilog="Exit status: 0 finished; preemption.exit_code (75) preempted, run again; "
-               "2 refused (bad config or world size); else torchrun's status.",
+               "2 refused (bad config or world size); 73 last state not saved; 79 no "
+               "progress, do not retry; 130 interrupted; else torchrun's status.",
     )
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=nproc_per_node,
                         default="auto", metavar="M|auto",
@@ -187,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         nproc = auto_nproc() if args.nproc_per_node == "auto" else args.nproc_per_node
         train_args = (["--config", args.config] if args.config else []) + list(args.overrides)
         command = torchrun_command("train", train_args, cfg.preemption, nproc_per_node=nproc,
+                                   max_restarts=cfg.recovery.max_restarts,
                                    nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint,
                                    rdzv_id=args.rdzv_id)
         checkpoint = newest_complete_checkpoint(storage, verify=cfg.checkpoint.verify.value)
@@ -255,7 +260,8 @@ def training_status_since(log_dir: Path, since: float) -> tuple[int, str] | None
     """The exit status training decided and logged (its ``end`` event) after ``since``.
 
     torchrun reports 1 for any failed worker; the run's own verdict (2 refused, 73 not
-    saved, ...) is in the log.
+    saved, 79 no progress, ...) is in the log. After in-place restarts the last start's
+    ``end`` counts.
     """
     ends = read_events(log_dir, Event.end, since=since)[0]
     return (int(ends[-1]["status"]), str(ends[-1].get("reason", ""))) if ends else None
@@ -266,8 +272,9 @@ def exit_status(returncode: int, storage: Storage, before: Committed | None,
                 stopped_by_notice: bool = False,
                 training_status: tuple[int, str] | None = None) -> int:
     """0, ``preemption.exit_code`` when the run was preempted, the status training logged
-    when it refused to run (2), could not save its last state (73) or was interrupted by
-    the user (130), else torchrun's.
+    when it refused to run (2), could not save its last state (73), stopped retrying
+    because starts kept failing without progress (79) or was interrupted by the user
+    (130), else torchrun's.
 
     torchrun exits 1 after any signal, even when the workers saved and stopped cleanly,
     so its status alone cannot tell a preemption from a crash. A run was preempted when
@@ -277,8 +284,7 @@ def exit_status(returncode: int, storage: Storage, before: Committed | None,
     """
     if returncode == 0:
         return 0
-    if training_status is not None and training_status[0] in (
-            exit_codes.BAD_INPUT, exit_codes.NOT_SAVED, exit_codes.INTERRUPTED):
+    if training_status is not None and training_status[0] in exit_codes.FINAL:
         status, reason = training_status
         print(f"resume: training ended with exit status {status}: {reason}", file=sys.stderr,
               flush=True)

@@ -5,6 +5,9 @@ the same set whatever the world size: a seeded permutation per epoch is walked i
 global-batch slices, and each rank takes a contiguous share of the slice. That is what
 lets a run saved on N ranks continue on M at the exact next sample, for any map-style
 dataset the task provides.
+
+The permutation is computed index by index (``Permutation``), never stored: memory stays
+the same for a thousand samples or ten billion.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -50,6 +54,52 @@ def split_global_batch(global_batch_size: int, micro_batch_size: int,
                       global_batch_size // per_step)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a fast, well-spread 64-bit hash (uint64 wraps around)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class Permutation:
+    """A seeded pseudo-random permutation of ``range(n)``, evaluated at given positions.
+
+    A balanced Feistel network (six rounds of ``_mix64``) permutes the smallest power of
+    two with an even number of bits that holds n; positions it sends past n are sent
+    through it again until they land inside ("cycle walking"), which keeps it a
+    permutation of ``range(n)``. Nothing of size n is ever built.
+    """
+
+    ROUNDS = 6
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n = n
+        bits = max(2, (n - 1).bit_length())
+        self.half = np.uint64((bits + 1) // 2)
+        self.low = np.uint64((1 << int(self.half)) - 1)
+        key = _mix64(np.array([seed & _MASK64], dtype=np.uint64))[0]
+        self.keys = _mix64(key + np.arange(1, self.ROUNDS + 1, dtype=np.uint64))
+
+    def _rounds(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.low
+        for key in self.keys:
+            left, right = right, left ^ (_mix64(right ^ key) & self.low)
+        return (left << self.half) | right
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        out = self._rounds(np.asarray(positions, dtype=np.uint64))
+        outside = out >= self.n
+        while outside.any():
+            out[outside] = self._rounds(out[outside])
+            outside = out >= self.n
+        return out.astype(np.int64)
+
+
 class GlobalBatchSampler:
     """Maps the global data position to the sample indices of a step."""
 
@@ -60,23 +110,21 @@ class GlobalBatchSampler:
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.seed = seed
-        self._perm_epoch = -1
-        self._perm = torch.empty(0, dtype=torch.long)
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        if epoch != self._perm_epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = torch.randperm(self.num_samples, generator=gen)
-            self._perm_epoch = epoch
-        return self._perm
+    def permutation(self, epoch: int) -> Permutation:
+        """The order of the samples in ``epoch``: another permutation for every epoch."""
+        return Permutation(self.num_samples, self.seed * 1_000_003 + epoch)
 
     def global_batch(self, samples_consumed: int) -> torch.Tensor:
         """Indices of the global batch that starts at ``samples_consumed``."""
-        out = []
-        for pos in range(samples_consumed, samples_consumed + self.global_batch_size):
-            epoch, offset = divmod(pos, self.num_samples)
-            out.append(self._permutation(epoch)[offset])
-        return torch.stack(out)
+        positions = np.arange(samples_consumed, samples_consumed + self.global_batch_size,
+                              dtype=np.int64)
+        epochs, offsets = np.divmod(positions, self.num_samples)
+        out = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            here = epochs == epoch
+            out[here] = self.permutation(int(epoch))(offsets[here])
+        return torch.from_numpy(out)
 
     def rank_micro_batches(self, samples_consumed: int, rank: int,
                            split: BatchSplit) -> list[torch.Tensor]:

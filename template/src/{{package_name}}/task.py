@@ -11,7 +11,10 @@ Optional, with the harness's defaults when absent: ``collate`` (default_collate)
 configs/train.yaml as plain dicts: yours to define. ``task_section`` checks them
 against a dataclass, with the harness's error messages for a bad key or value.
 
-This default trains a small byte-level language model on a generated corpus.
+This default trains a causal language model on next-token prediction:
+``model.kind`` tiny (a small byte-level transformer) or hf (any Hugging Face causal LM),
+``data.kind`` text (bytes of a text file or of a generated corpus) or tokens (a
+directory written by ``python -m <package>.prepare_data``).
 """
 
 from __future__ import annotations
@@ -19,28 +22,45 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import Dataset
 
-from .config import Config, task_section
-from .datasets import TextConfig, TextWindows
-from .models import TinyConfig, TinyLM
+from .checkpoint import newest_complete_checkpoint, open_storage
+from .config import Config, task_section_of_kind
+from .datasets import TextConfig, TextWindows, TokenConfig, TokenWindows, read_index
+from .models import HFConfig, TinyConfig, TinyLM, build_hf_model, check_data_fits
 
-HARNESS_DATA_KEYS = ("num_workers",)  # data.num_workers is read by the harness
+HARNESS_DATA_KEYS = ("num_workers", "prefetch_factor")  # read by the harness's DataLoader
+MODELS = {"tiny": TinyConfig, "hf": HFConfig}
+DATA = {"text": TextConfig, "tokens": TokenConfig}
+
+
+def _data_section(cfg: Config) -> tuple[str, TextConfig | TokenConfig]:
+    return task_section_of_kind(cfg.data, DATA, "data", default="text",
+                                ignore=HARNESS_DATA_KEYS)
 
 
 def build_model(cfg: Config) -> nn.Module:
-    model = task_section(cfg.model, TinyConfig, "model")
-    data = task_section(cfg.data, TextConfig, "data", ignore=HARNESS_DATA_KEYS)
-    return TinyLM(model, max_seq_len=data.seq_len)
+    kind, model = task_section_of_kind(cfg.model, MODELS, "model", default="tiny")
+    data_kind, data = _data_section(cfg)
+    vocab = read_index(data.path)["vocab_size"] if data_kind == "tokens" else 256
+    if kind == "tiny":
+        return TinyLM(model, max_seq_len=data.seq_len, vocab_size=vocab)
+    # Pretrained weights (model.path) at the first start only: a resume loads the checkpoint.
+    first_start = newest_complete_checkpoint(open_storage(cfg.checkpoint.dir)) is None
+    hf_model = build_hf_model(model, load_weights=first_start)
+    check_data_fits(hf_model, vocab, data.seq_len)
+    return hf_model
 
 
-def build_data(cfg: Config) -> TextWindows:
-    return TextWindows.from_config(task_section(cfg.data, TextConfig, "data",
-                                                ignore=HARNESS_DATA_KEYS))
+def build_data(cfg: Config) -> Dataset:
+    kind, data = _data_section(cfg)
+    return TokenWindows.from_config(data) if kind == "tokens" else TextWindows.from_config(data)
 
 
 def loss_and_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     inputs, targets = batch
     logits = model(inputs)
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    logits = getattr(logits, "logits", logits)  # Hugging Face models return an output object
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
     return loss, {}

@@ -8,10 +8,13 @@ hands the state to the save policy once per step. When to save lives in
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +32,9 @@ from .distributed import Runtime, set_gradient_sync, to_device, wrap_model
 from .metrics import Event, MetricsLog
 from .sampling import GlobalBatchSampler, RankMicroBatches, split_global_batch
 from .stop import StopCoordinator
+from .stragglers import StragglerCheck
 from .task_contract import Task, default_optimizer, lr_factor
+from .watchdog import StepWatchdog
 
 # Names the harness writes in every step event; a task's metrics may not reuse them.
 STEP_FIELDS = ("event", "time", "step", "loss", "grad_norm", "lr", "step_time_s",
@@ -74,6 +79,24 @@ def _ignore_preemption_signals(_worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def _end_workers_at_exit(loader_iter: weakref.ref) -> None:
+    """End a DataLoader's workers before multiprocessing's exit handler joins them.
+
+    They ignore SIGTERM, so the loader's own last resort (``terminate``) cannot end one;
+    after a crash, whose traceback keeps the loader alive until exit, the process would
+    wait for them forever. Registered with atexit, which runs it before that join.
+    """
+    it = loader_iter()
+    if it is None:
+        return
+    with contextlib.suppress(Exception):
+        it._shutdown_workers()  # the loader's own orderly stop
+    for worker in getattr(it, "_workers", ()):
+        if worker.is_alive():
+            worker.kill()
+            worker.join(timeout=5)
+
+
 class Trainer:
     def __init__(self, cfg: Config, task: Task, runtime: Runtime, manager: CheckpointManager,
                  stop: StopCoordinator, metrics: MetricsLog) -> None:
@@ -96,6 +119,11 @@ class Trainer:
             state=self.state, record=self._commit_record, metrics=metrics,
             wait_timeout_s=ckpt.wait_timeout_s,
             max_failed_in_a_row=1 if ckpt.on_error == OnSaveError.stop else ckpt.max_failed_saves)
+        self.stragglers = StragglerCheck(every_steps=cfg.recovery.straggler_every_steps,
+                                         ratio=cfg.recovery.straggler_ratio, runtime=runtime,
+                                         metrics=metrics)
+        self.watchdog: StepWatchdog | None = None         # set by train.py
+        self.on_first_step: Callable[[int], None] | None = None
         torch.manual_seed(rank_seed(train.seed, 0, runtime.rank))
 
     # ------------------------------------------------------------ checkpoint --
@@ -222,7 +250,10 @@ class Trainer:
             # without workers).
             prefetch_factor=int(self.cfg.data.get("prefetch_factor", 2)) if workers else None,
             persistent_workers=workers > 0)
-        return iter(loader)
+        batches = iter(loader)
+        if workers:
+            atexit.register(_end_workers_at_exit, weakref.ref(batches))
+        return batches
 
     # ------------------------------------------------------------------ step --
     def train_step(self, batches: Iterator[Any]) -> dict[str, float]:
@@ -236,7 +267,9 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         for i in range(accum):
             set_gradient_sync(self.model, self.cfg.distributed.parallelism, i == accum - 1)
+            began = time.perf_counter()
             batch = to_device(next(batches), self.runtime.device)
+            self.stragglers.add_input(time.perf_counter() - began)
             loss, metrics = self.task.loss_and_metrics(self.model, batch)
             (loss / accum).backward()
             for name, value in {"loss": loss, **self._checked(metrics)}.items():
@@ -247,7 +280,8 @@ class Trainer:
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.saves.before_optimizer_step()
-        self.optimizer.step()
+        with self.stragglers.optimizer():
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -282,19 +316,38 @@ class Trainer:
         started = time.monotonic()
         # A request that came during start-up (building, resuming) stops before step one.
         stop = self.stop.vote().stop_at
-        while stop is None and self.progress.step < max_steps:
-            began = time.perf_counter()
-            values = self.train_step(batches)
-            step_time = time.perf_counter() - began
-            step = self.progress.step
-            samples_per_s = self.split.global_batch_size / step_time
-            rate = samples_per_s if rate is None else 0.8 * rate + 0.2 * samples_per_s
-            self.metrics.event(Event.step, step=step, **values, step_time_s=step_time,
-                               samples_per_s=samples_per_s,
-                               lr=self.optimizer.param_groups[0]["lr"])
-            stop = self.saves.maybe_save(step, self.stop)
-            if stop is None and (step % self.cfg.log.every_steps == 0 or step == max_steps):
-                self._progress_line(values, rate, time.monotonic() - started)
+        watchdog = self.watchdog
+        if watchdog is not None:
+            watchdog.start(self.progress.step)
+        try:
+            while stop is None and self.progress.step < max_steps:
+                began = time.perf_counter()
+                values = self.train_step(batches)
+                step_time = time.perf_counter() - began
+                step = self.progress.step
+                if watchdog is not None:
+                    watchdog.beat(step, step_time)
+                samples_per_s = self.split.global_batch_size / step_time
+                rate = samples_per_s if rate is None else 0.8 * rate + 0.2 * samples_per_s
+                self.metrics.event(Event.step, step=step, **values, step_time_s=step_time,
+                                   samples_per_s=samples_per_s,
+                                   lr=self.optimizer.param_groups[0]["lr"])
+                if self.on_first_step is not None:
+                    self.on_first_step(step)
+                    self.on_first_step = None
+                self.stragglers.step_done(step_time)
+                if self.stragglers.due(step):
+                    self.stragglers.check(step)
+                # A save has bounds of its own (checkpoint.*): the watchdog allows for them.
+                with (watchdog.allow(self._save_allowance_s())
+                      if watchdog is not None and self.saves.due(step)
+                      else contextlib.nullcontext()):
+                    stop = self.saves.maybe_save(step, self.stop)
+                if stop is None and (step % self.cfg.log.every_steps == 0 or step == max_steps):
+                    self._progress_line(values, rate, time.monotonic() - started)
+        finally:
+            if watchdog is not None:
+                watchdog.stop()   # stopping and finishing have bounds of their own
         stopped = None
         if isinstance(stop, float):
             stopped = self.stop.stop(self.saves, self.progress.step, stop)
@@ -309,6 +362,14 @@ class Trainer:
             return Outcome("not_saved", step, f"the final checkpoint of step {step} did not "
                            f"commit ({self.saves.manager.last_error or 'see the log'})")
         return Outcome("finished", step)
+
+    def _save_allowance_s(self) -> float:
+        """How much longer than a step the watchdog allows the step that saves: the wait
+        for the previous save (checkpoint.wait_timeout_s) and four times the newest
+        measured write (before any: recovery.first_step_timeout_s)."""
+        estimate = self.saves.save_estimate_s()
+        return self.cfg.checkpoint.wait_timeout_s + (
+            4 * estimate if estimate > 0 else self.cfg.recovery.first_step_timeout_s)
 
     def _progress_line(self, values: dict[str, float], samples_per_s: float,
                        elapsed_s: float) -> None:

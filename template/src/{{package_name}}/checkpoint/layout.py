@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed.checkpoint.metadata import Metadata
+
 from . import integrity, safe_load
 from .storage import Storage, StorageError, check_space, human_bytes, probe
 
@@ -76,19 +78,23 @@ def make_room(storage: Storage, step: int) -> None:
     storage.makedirs(work)
 
 
-def commit(storage: Storage, step: int, record: dict[str, Any]) -> Committed:
+def commit(storage: Storage, step: int, record: dict[str, Any],
+           metadata: Metadata | None = None) -> Committed:
     """Seal a finished save: write commit.json last, then move it into place.
 
     Call only after every rank's shards and the metadata file are written. Every file
     that DCP's metadata names must be visible here: a checkpoint directory that is not
     shared by all ranks (node-local disks) is refused rather than committed incomplete.
+    ``metadata`` is what DCP's save returned (the content of the metadata file); without
+    it the file is read back.
     """
     work = staging_name(step, storage)
     files = storage.list_files(work)
     if METADATA_FILE not in files:
         raise RuntimeError(f"cannot commit {work}: {METADATA_FILE} is missing")
-    named = {info.relative_path for info in
-             storage.reader(work).read_metadata().storage_data.values()}
+    if not isinstance(getattr(metadata, "storage_data", None), dict):
+        metadata = storage.reader(work).read_metadata()
+    named = {info.relative_path for info in metadata.storage_data.values()}
     missing = sorted(named - files.keys())
     if missing:
         raise RuntimeError(

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -29,6 +29,7 @@ from ..config import AsyncMode
 from . import layout
 from .background import start_checkpoint_process, stderr_to
 from .lease import Lease
+from .staging import ReusingStager
 from .storage import Storage, describe_save_error
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class _InFlight:
     handed_off: float = 0.0           # perf_counter() when DCP got the state
     written: float | None = None      # perf_counter() when the upload finished
     committed: Future | None = None   # the coordinator's commit, run once the upload is done
+    metadata: Any = None              # DCP's Metadata of the written save (names every file)
 
 
 class CheckpointManager:
@@ -85,8 +87,9 @@ class CheckpointManager:
             on_gpu = device.type == "cuda"
             # Pinned memory and non-blocking copies need an accelerator; shared memory
             # lets the background process read the staged tensors without a copy (a
-            # background thread shares the memory anyway).
-            self._stager = DefaultStager(StagingOptions(
+            # background thread shares the memory anyway). Saves after the first copy
+            # into the same buffers without rebuilding the state dict (staging.py).
+            self._stager = ReusingStager(StagingOptions(
                 use_pinned_memory=on_gpu, use_shared_memory=self.mode == AsyncMode.process,
                 use_async_staging=True, use_non_blocking_copy=on_gpu))
         # A thread-mode save runs DCP's collectives in a background thread; on the default
@@ -97,6 +100,7 @@ class CheckpointManager:
         if self.mode == AsyncMode.thread and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
         self._inflight: _InFlight | None = None
+        self._prestaging: Future | None = None   # buffers being allocated (``prestage``)
         self._abandoned = False
         self.last_committed: SaveResult | None = None
         self.failed_saves = 0
@@ -128,6 +132,20 @@ class CheckpointManager:
             self._abandoned = True  # a half-started process may still hold a thread
             return self.record_failure(None, exc, "the background checkpoint process did not start")
         return None
+
+    def prestage(self, state: dict[str, Any]) -> None:
+        """Allocate the staging buffers now, copying ``state`` into them in the background.
+
+        For a run that starts without optimizer state (``warm_up`` could not stage it):
+        called after the first optimizer step, it makes the first save cost what later
+        ones do. ``wait_staged`` (before the next optimizer step) waits for the copy.
+        """
+        if self._stager is None or self._inflight is not None or self._prestaging is not None:
+            return
+        plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+        staged = self._stager.stage(plain)
+        if isinstance(staged, Future):
+            self._prestaging = staged
 
     @property
     def abandoned(self) -> bool:
@@ -193,15 +211,17 @@ class CheckpointManager:
             raise RuntimeError(f"the save of step {self._inflight.step} is still in flight; "
                                "wait for it before starting another")
         started = time.perf_counter()
+        self.wait_staged()  # a prestage still copying into the buffers
         if self.is_coordinator:
             layout.make_room(self.storage, step)
         handed_off = time.perf_counter()
         writer = self.storage.writer(layout.staging_name(step, self.storage))
         if blocking or self.mode == AsyncMode.sync:
-            dcp.save(state, storage_writer=writer, planner=self._planner)
+            metadata = dcp.save(state, storage_writer=writer, planner=self._planner)
             written = time.perf_counter()
             self._inflight = _InFlight(step, reason, record, started, written - started,
-                                       _done_future(), None, handed_off, written)
+                                       _done_future(), None, handed_off, written,
+                                       metadata=metadata)
             return self._finish(mode=AsyncMode.sync)
         kind = (AsyncCheckpointerType.PROCESS if self.mode == AsyncMode.process
                 else AsyncCheckpointerType.THREAD)
@@ -224,6 +244,9 @@ class CheckpointManager:
 
     def wait_staged(self) -> None:
         """Block until the in-flight save has copied the state (before parameters change)."""
+        if self._prestaging is not None:
+            futures.wait([self._prestaging])   # a failure shows again at the first save
+            self._prestaging = None
         inflight = self._inflight
         if inflight is not None and inflight.staging is not None:
             began = time.perf_counter()
@@ -313,6 +336,7 @@ class CheckpointManager:
         inflight.written = time.perf_counter()
         try:
             if upload.exception() is None:
+                inflight.metadata = upload.result()
                 inflight.committed.set_result(self._commit(inflight, None))
             else:
                 inflight.committed.set_exception(_NotCommitted("was not written"))
@@ -337,16 +361,18 @@ class CheckpointManager:
             raise _NotCommitted("was written but not committed: another job has taken over "
                                 "the checkpoint directory (see the log)")
         try:
-            committed = layout.commit(self.storage, inflight.step, record)
+            committed = layout.commit(self.storage, inflight.step, record,
+                                      metadata=inflight.metadata)
         except (OSError, RuntimeError) as exc:
             raise _NotCommitted("was written but not committed") from exc
+        # The latency a caller sees ends at the commit (the checkpoint counts from here),
+        # wherever it ran; removing old checkpoints follows and is not part of it.
+        latency = time.perf_counter() - inflight.started
         try:
             removed = layout.retire_old(self.storage, self.keep_last, up_to=inflight.step)
         except OSError as exc:  # the new checkpoint is safe; old ones just linger
             log.warning("could not remove old checkpoints: %s", exc)
             removed = []
-        # The latency a caller sees ends at the commit, wherever it ran.
-        latency = time.perf_counter() - inflight.started
         return SaveResult(inflight.step, inflight.reason, (mode or self.mode).value,
                           inflight.blocking_s, latency, committed.path, removed, write_s)
 

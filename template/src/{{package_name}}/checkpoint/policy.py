@@ -75,6 +75,7 @@ class SavePolicy:
         self.synchronous = False
         self.resumed_from: Committed | None = None
         self._waited_s: dict[int, float] = {}
+        self._prestage = False   # allocate the staging buffers after the first optimizer step
 
     # ------------------------------------------------------------ each step --
     def due(self, step: int) -> bool:
@@ -96,6 +97,7 @@ class SavePolicy:
             self._go_synchronous(self.progress_step(), "the background checkpoint process did "
                                  f"not start on every rank ({failure or 'on another rank'})")
         elif self.manager.mode.value != "sync":
+            self._prestage = not stage
             self.metrics.say(f"background checkpointing ready in "
                              f"{time.perf_counter() - began:.2f} s")
 
@@ -110,6 +112,11 @@ class SavePolicy:
         """
         self._report(self.manager.poll())
         due = self.due(step)
+        if self._prestage and not due and not self.synchronous:
+            # The optimizer has state now: the staging buffers are allocated in the
+            # background during the next step, not by the first save.
+            self._prestage = False
+            self.manager.prestage(self._state())
         waited = self._finish_previous(boundary) if due else 0.0
         vote = boundary.vote(failed_saves=self.manager.failed_saves)
         if vote.stop_at is not None:

@@ -58,6 +58,8 @@ def generate_corpus(n_chars: int, seed: int = 0) -> str:
 class TextWindows(Dataset):
     """Fixed-length windows of a byte stream; ``__getitem__`` gives (inputs, targets)."""
 
+    vocab_size = 256  # bytes
+
     def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
         self.tokens = tokens
         self.seq_len = seq_len

@@ -1,5 +1,9 @@
-"""Models the default task composes; a task of yours may use them or bring its own."""
+"""Models the default task composes; a task of yours may use them or bring its own.
 
+``hf`` needs the optional transformers dependency and imports it only when used.
+"""
+
+from .hf import HFConfig, build_hf_model, check_data_fits
 from .tiny import TinyConfig, TinyLM
 
-__all__ = ["TinyConfig", "TinyLM"]
+__all__ = ["HFConfig", "TinyConfig", "TinyLM", "build_hf_model", "check_data_fits"]

@@ -1,7 +1,8 @@
 """A small decoder-only language model over bytes: the default task's model.
 
 Its configuration is the ``model:`` section of configs/train.yaml, checked by
-``TinyConfig``. Its ``blocks`` are the units FSDP2 shards one by one.
+``TinyConfig``; its vocabulary is the data's (256 bytes by default). Its ``blocks`` are
+the units FSDP2 shards one by one.
 """
 
 from __future__ import annotations
@@ -64,16 +65,16 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self, cfg: TinyConfig, max_seq_len: int) -> None:
+    def __init__(self, cfg: TinyConfig, max_seq_len: int, vocab_size: int = VOCAB_SIZE) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB_SIZE, cfg.d_model)
+        self.embed = nn.Embedding(vocab_size, cfg.d_model)
         self.pos = nn.Embedding(max_seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(
             Block(cfg.d_model, cfg.n_heads, cfg.dropout) for _ in range(cfg.n_layers)
         )
         self.norm = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, VOCAB_SIZE, bias=False)
+        self.head = nn.Linear(cfg.d_model, vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)

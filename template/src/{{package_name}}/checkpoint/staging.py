@@ -1,0 +1,177 @@
+"""Staging a save: copying the state into host memory that the background writer reads.
+
+DCP's ``DefaultStager`` keeps its host buffers from one save to the next, but still
+deep-copies the state dict at every save: for each DTensor it allocates a new empty
+tensor of the full local size, deep-copies the sharding spec, and walks every object
+through Python's copy protocol. With a few hundred tensors that costs several times the
+memory copy itself, on the training path (measured with ``bench``: about 0.06 s against
+a 0.014 s copy for 146 MiB on two CPU ranks).
+
+``ReusingStager`` is DCP's stager with one fast path: when the state has the same
+structure as the last one staged (the same tensors in the same places: dtype, shape,
+strides, device, and for a DTensor its mesh, placements and global shape), it copies
+each tensor's data into the buffer it used last time and rebuilds only the dicts, lists
+and tuples around them. Anything it does not recognise (another structure, a leaf that
+is not a plain value or tensor) goes through DCP's own deep copy, which also refreshes
+what the fast path reuses. The buffers are reused, so a save may only be staged after
+the previous one has been written: the checkpoint manager already keeps to that.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
+
+_ATOMIC = (type(None), bool, int, float, complex, str, bytes)
+_CONTAINERS = (dict, OrderedDict, list, tuple)
+
+
+class _Slot(NamedTuple):
+    staged: torch.Tensor        # what the staged state dict holds (a DTensor or a tensor)
+    buffer: torch.Tensor        # the host memory the source's local data is copied into
+    signature: tuple            # what a source must match to be copied into ``buffer``
+    source_ptr: int | None      # for a buffer shared by several slots: the source it had
+
+
+class _Mismatch(Exception):
+    """The state does not have the structure of the last one staged."""
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    # DTensor.to_local() goes through autograd (a few microseconds per tensor, hundreds
+    # of tensors); staging is under no_grad and needs only the local data.
+    return x._local_tensor if type(x) is DTensor else x
+
+
+def _signature(x: torch.Tensor) -> tuple:
+    if type(x) is DTensor:
+        local, spec = x._local_tensor, x._spec   # the public properties cost more
+        return (DTensor, local.dtype, local.device, local.shape, local.stride(),
+                spec.shape, spec.placements, id(spec.mesh))
+    return (torch.Tensor, x.dtype, x.device, x.shape, x.stride())
+
+
+class _ReusingStateDictStager(StateDictStager):
+    """DCP's state dict stager with a fast path for a state staged before (see module)."""
+
+    def __init__(self, pin_memory: bool, share_memory: bool) -> None:
+        super().__init__(pin_memory=pin_memory, share_memory=share_memory)
+        self._slots: list[_Slot] | None = None
+        self.fast_stages = 0   # saves staged by the fast path
+        self.full_stages = 0   # saves staged by DCP's deep copy
+
+    def stage(self, state_dict: Any, non_blocking: bool = False) -> Any:
+        if self._slots is not None:
+            try:
+                staged = self._restage(state_dict, non_blocking)
+            except _Mismatch:
+                self._slots = None
+            else:
+                self.fast_stages += 1
+                return staged
+        staged = super().stage(state_dict, non_blocking=non_blocking)
+        self.full_stages += 1
+        slots: list[_Slot] = []
+        self._slots = _shared_marked(slots) if _collect(state_dict, staged, slots) else None
+        return staged
+
+    def close(self) -> None:
+        self._slots = None
+        super().close()
+
+    # ----------------------------------------------------------------- fast path --
+    def _restage(self, state_dict: Any, non_blocking: bool) -> Any:
+        slots = self._slots
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def rebuild(x: Any) -> Any:
+            kind = type(x)
+            if kind in _ATOMIC:
+                return x
+            if kind is torch.Tensor or kind is DTensor:
+                if len(copies) == len(slots):
+                    raise _Mismatch
+                slot = slots[len(copies)]
+                local = _local(x)
+                if slot.signature != _signature(x) or (
+                        slot.source_ptr is not None and slot.source_ptr != local.data_ptr()):
+                    raise _Mismatch
+                copies.append((slot.buffer, local))
+                return slot.staged
+            if kind is dict or kind is OrderedDict:
+                return kind((key, rebuild(value)) for key, value in x.items())
+            if kind is list:
+                return [rebuild(value) for value in x]
+            if kind is tuple:
+                return tuple(rebuild(value) for value in x)
+            raise _Mismatch
+
+        staged = rebuild(state_dict)
+        if len(copies) != len(slots):
+            raise _Mismatch
+        with torch.no_grad():
+            for buffer, source in copies:
+                buffer.copy_(source, non_blocking=non_blocking)
+        return staged
+
+
+def _collect(source: Any, staged: Any, slots: list[_Slot]) -> bool:
+    """Pair each source tensor with its staged copy, in traversal order; False when the
+    structure holds something the fast path does not rebuild."""
+    kind = type(source)
+    if kind in _ATOMIC:
+        return True
+    if kind is torch.Tensor or kind is DTensor:
+        if type(staged) is not kind:
+            return False
+        slots.append(_Slot(staged, _local(staged), _signature(source), _local(source).data_ptr()))
+        return True
+    if kind not in _CONTAINERS or type(staged) is not kind or len(source) != len(staged):
+        return False
+    if kind is list or kind is tuple:
+        return all(_collect(s, t, slots) for s, t in zip(source, staged))
+    return source.keys() == staged.keys() and all(
+        _collect(value, staged[key], slots) for key, value in source.items())
+
+
+def _shared_marked(slots: list[_Slot]) -> list[_Slot]:
+    """Keep the source pointer only where several slots share one buffer's storage.
+
+    Copying into a shared buffer is right only while the sources share memory the same
+    way (tied weights: one parameter under two names), so those slots accept only the
+    source they had. Every other slot takes any source of its signature (e.g. the RNG
+    state, a new tensor at every save).
+    """
+    owners: dict[int, int] = {}
+    for slot in slots:
+        if slot.buffer.numel():
+            key = slot.buffer.untyped_storage().data_ptr()
+            owners[key] = owners.get(key, 0) + 1
+    return [slot._replace(source_ptr=slot.source_ptr if slot.buffer.numel() and owners[
+        slot.buffer.untyped_storage().data_ptr()] > 1 else None) for slot in slots]
+
+
+class ReusingStager(DefaultStager):
+    """DCP's DefaultStager (pinned or shared host memory, asynchronous copy) whose saves
+    after the first copy into the same buffers without rebuilding the state dict."""
+
+    def __init__(self, options: StagingOptions) -> None:
+        super().__init__(options)
+        if hasattr(self, "_state_dict_stager"):  # DefaultStager's own, replaced
+            self._state_dict_stager = _ReusingStateDictStager(
+                pin_memory=options.use_pinned_memory, share_memory=options.use_shared_memory)
+
+    @property
+    def fast_stages(self) -> int:
+        """Saves staged by the fast path (the tests and ``bench`` count them)."""
+        return getattr(getattr(self, "_state_dict_stager", None), "fast_stages", 0)
+
+    @property
+    def full_stages(self) -> int:
+        """Saves staged by DCP's deep copy (the first one, and any change of structure)."""
+        return getattr(getattr(self, "_state_dict_stager", None), "full_stages", 0)

@@ -1,0 +1,215 @@
+"""How each start of training ended, rank by rank, and what the next start learns from it.
+
+    <log.dir>/exits/rank<R>.json   {"rank", "host", "pid", "run_id", "restart", "started",
+                                    "state", "status", "step", "reason", "time"}
+
+Every rank writes ``running`` as it starts and, when it ends, how: ``ended`` with the
+status training decided, ``crashed`` with the last line of the exception, or ``hung``
+when its watchdog fired. A rank killed by a signal (SIGKILL, the out-of-memory killer)
+or a fatal error (a segmentation fault) writes nothing more: its record still says
+``running``, and nothing else can tell its status (torchrun keeps it to itself).
+
+The next start (an in-place restart by torchrun, or a new job) gathers every rank's
+records of the previous attempt before writing its own, and rank 0 puts the cause of
+the previous end into its ``start`` event (docs/RECOVERY.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+EXITS_DIR = "exits"
+ONE_START_S = 600.0  # the ranks of one start begin within this of each other
+# Which record of an attempt names its cause: a rank that died without a word first (the
+# others' errors follow from its death), then a hung rank, then a crash, then a decision.
+_PRIORITY = {"running": 0, "hung": 1, "crashed": 2, "ended": 3}
+KIND = {"running": "lost", "hung": "hang", "crashed": "crash", "ended": "exit"}
+# Ends that count as failures of the job. Not "killed" (every rank ended without a word:
+# the machine or the whole job was killed from outside, as a preemption without notice
+# is) and not "exit" (a status training decided: finished, preempted, not saved, ...).
+FAILURES = ("lost", "hang", "crash")
+
+
+def error_line(exc: BaseException, limit: int = 300) -> str:
+    """The exception's type and last line, e.g. ``RuntimeError: Connection closed by peer``
+    (cut at ``limit`` characters)."""
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[-1].strip() if text else ''}".rstrip(": ")
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def signal_of(status: int | None) -> str | None:
+    """The signal a shell-style status 128+N stands for (130: SIGINT), else None."""
+    if status is None or not 128 < status < 128 + signal.NSIG:
+        return None
+    try:
+        return signal.Signals(status - 128).name
+    except ValueError:
+        return None
+
+
+class Attempt:
+    """This process's start: who it is, under which torchrun restart, and its record."""
+
+    def __init__(self, log_dir: str | os.PathLike, rank: int) -> None:
+        self.dir = Path(log_dir) / EXITS_DIR
+        self.rank = rank
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self.max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+        self.run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        self.started = time.time()
+        self.progress: Any = None      # the trainer's Progress, once there is one: its step
+        self._record = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
+                        "run_id": self.run_id, "restart": self.restart,
+                        "started": self.started}
+
+    @property
+    def step(self) -> int | None:
+        """The newest step this rank finished, while training."""
+        return getattr(self.progress, "step", None)
+
+    @property
+    def in_place(self) -> bool:
+        """Whether torchrun restarted the workers in place to make this start."""
+        return self.restart > 0
+
+    @property
+    def restarts_left(self) -> int:
+        """How many more times torchrun would restart the workers in place."""
+        return max(0, self.max_restarts - self.restart)
+
+    @property
+    def path(self) -> Path:
+        return self.dir / f"rank{self.rank}.json"
+
+    def local_records(self) -> list[dict[str, Any]]:
+        """Every record in this node's ``exits`` folder (all ranks', if log.dir is shared)."""
+        records = []
+        for path in sorted(self.dir.glob("rank*.json")):
+            try:
+                record = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue  # cut short by a kill while written: nothing to learn from it
+            if isinstance(record, dict) and record.get("state") in _PRIORITY:
+                records.append(record)
+        return records
+
+    def _write(self, state: str, **fields: Any) -> None:
+        record = {**self._record, "state": state, "step": self.step, **fields,
+                  "time": time.time()}
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(record), encoding="utf-8")
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a full or read-only log.dir costs the next start its cause, nothing more
+
+    def begin(self, **fields: Any) -> None:
+        """This rank is running (again with ``fields``, e.g. rank 0's ``newest_step``:
+        the newest committed checkpoint when this start began)."""
+        self._record.update(fields)
+        self._write("running")
+
+    def ended(self, status: int, reason: str) -> None:
+        self._write("ended", status=status, reason=reason)
+
+    def crashed(self, exc: BaseException) -> None:
+        self._write("crashed", status=1, reason=error_line(exc))
+
+    def hung(self, waited_s: float, bound_s: float) -> None:
+        from .exit_codes import HUNG
+
+        self._write("hung", status=HUNG, reason=f"no step finished in {waited_s:.1f} s "
+                    f"(bound {bound_s:.1f} s)")
+
+
+def gather_previous(attempt: Attempt, world_size: int) -> list[dict[str, Any]]:
+    """Every rank's records of the previous attempt (a collective: call it on all ranks,
+    before ``attempt.begin()``).
+
+    Each rank reads its own node's folder, so this works whether log.dir is shared or
+    not. Only the newest attempt found is kept: the ranks of the previous start.
+    """
+    mine = attempt.local_records()
+    if world_size > 1:
+        every: list = [None] * world_size
+        dist.all_gather_object(every, mine)
+        mine = [record for records in every for record in records]
+    unique = {(r.get("host"), r.get("pid")): r for r in mine}
+    if not unique:
+        return []
+    newest = max(unique.values(), key=lambda r: r.get("started", 0))
+    key = (newest.get("run_id"), newest.get("restart"))
+    # The ranks of one start meet within the rendezvous; an older job's records may share
+    # its run id and restart count (a fixed --rdzv-id), never its start time.
+    same = [r for r in unique.values() if (r.get("run_id"), r.get("restart")) == key
+            and newest.get("started", 0) - r.get("started", 0) < ONE_START_S]
+    return sorted(same, key=lambda r: r.get("rank", 0))
+
+
+def describe(record: dict[str, Any]) -> str:
+    """One rank's end in a few words."""
+    state, rank = record["state"], record.get("rank")
+    at = f" at step {record['step']}" if record.get("step") is not None else ""
+    if state == "running":
+        return (f"rank {rank} ended without a word{at} (killed by a signal such as SIGKILL "
+                "or the out-of-memory killer, or a fatal error: see its output)")
+    if state == "hung":
+        return f"rank {rank}'s watchdog fired{at}: {record.get('reason', '')}"
+    if state == "crashed":
+        return f"rank {rank} crashed{at}: {record.get('reason', '')}"
+    status = record.get("status")
+    return f"rank {rank} exited {status}{at}: {record.get('reason', '')}"
+
+
+def cause(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The cause of the previous end, from its ranks' records, or None when none are known.
+
+    ``kind`` is ``lost`` (a rank died without a record while others recorded its
+    consequences), ``killed`` (every rank died without a word), ``hang``, ``crash`` or
+    ``exit`` (a status training decided: finished, preempted, ...). ``failed_at`` is when
+    the failure was first recorded (for a rank that died without a word: when the first
+    of the others noticed), None when unknown or after a decided exit. ``attempt``
+    identifies the start the records are of.
+    """
+    if not records:
+        return None
+    primary = min(records, key=lambda r: (_PRIORITY[r["state"]], r.get("time", 0)))
+    kind = KIND[primary["state"]]
+    if all(r["state"] == "running" for r in records):
+        kind = "killed"
+    status = primary.get("status") if primary["state"] != "running" else None
+    ended = [r["time"] for r in records if r["state"] != "running" and "time" in r]
+    failed_at = None
+    if kind in FAILURES:
+        failed_at = primary.get("time") if primary["state"] != "running" else None
+        if failed_at is None and ended:
+            failed_at = min(ended)
+    others = [describe(r) for r in records if r is not primary]
+    return {
+        "kind": kind,
+        "rank": primary.get("rank"),
+        "step": primary.get("step"),
+        "status": status,
+        "signal": signal_of(status),
+        "error": primary.get("reason") if primary["state"] != "running" else None,
+        "failed_at": failed_at,
+        "restart": primary.get("restart"),
+        "newest_step": next((r["newest_step"] for r in records if "newest_step" in r), None),
+        "attempt": "{}/{}/{:.3f}".format(primary.get("run_id"), primary.get("restart"),
+                                         min(r.get("started", 0) for r in records)),
+        "summary": ("every rank ended without a word (the machine or the whole job was "
+                    "killed from outside, or lost)" if kind == "killed"
+                    else "; ".join([describe(primary), *others])),
+        "ranks": [{"rank": r.get("rank"), "state": r["state"], "status": r.get("status"),
+                   "step": r.get("step"), "reason": r.get("reason")} for r in records],
+    }

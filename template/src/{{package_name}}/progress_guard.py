@@ -1,0 +1,121 @@
+"""The no-progress guard: a job whose starts keep failing stops asking to be retried.
+
+    <checkpoint.dir>/progress.json   {"newest_step", "failed_starts", "last_counted", "history"}
+
+At each start rank 0 learns how the previous start ended (``exits.cause``, which also
+says what the newest committed checkpoint was when that start began) and counts it when
+it failed (a crash, a hang, a rank that died while the others recorded it) without
+committing a newer checkpoint. The count lives in this small file beside the
+checkpoints (through the Storage interface, so on an object store too), so it runs
+across in-place restarts by torchrun and new jobs from a scheduler alike. The file
+exists only while failures are being counted: the first start that finds a newer
+checkpoint removes it. Not counted: a start that ended with a status training decided
+(finished, preempted, not saved, ...), and one where every rank died without a word
+(the machine or the whole job killed from outside, as a preemption without notice is).
+
+When ``recovery.max_attempts_without_progress`` failed starts are counted, the start
+refuses with exit status 79 (``NO_PROGRESS``): retrying cannot help until the cause is
+fixed, and every launcher stops (docs/RECOVERY.md). Remove the file, or raise the
+limit, to try again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from .checkpoint.storage import Storage
+from .exits import FAILURES
+
+log = logging.getLogger(__name__)
+
+PROGRESS_FILE = "progress.json"
+HISTORY = 10  # causes kept, for the message
+
+
+class ProgressGuard:
+    def __init__(self, storage: Storage, limit: int) -> None:
+        self.storage = storage
+        self.limit = limit
+
+    @property
+    def path(self) -> str:
+        return self.storage.path(PROGRESS_FILE)
+
+    def read(self) -> dict[str, Any] | None:
+        """The count, or None when no failure is being counted."""
+        try:
+            state = json.loads(self.storage.read_text(PROGRESS_FILE))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("%s is unreadable (%s): counting failed starts afresh", self.path, exc)
+            return None
+        if not (isinstance(state, dict) and isinstance(state.get("newest_step"), int)
+                and isinstance(state.get("failed_starts"), int)):
+            return None
+        state.setdefault("history", [])
+        return state
+
+    def _write(self, state: dict[str, Any]) -> None:
+        try:
+            self.storage.write_text_durable(PROGRESS_FILE, json.dumps(state))
+        except OSError as exc:  # the guard must never stop training that works
+            log.warning("could not update %s: %s", self.path, exc)
+
+    def _clear(self) -> None:
+        try:
+            self.storage.remove_file(PROGRESS_FILE)
+        except OSError as exc:
+            log.warning("could not remove %s: %s", self.path, exc)
+
+    def on_start(self, newest_step: int | None,
+                 previous: dict[str, Any] | None) -> tuple[int, str | None]:
+        """Count the previous start if it failed without progress (rank 0); returns the
+        failed starts in a row and why this start must not run (None: it may).
+
+        ``newest_step`` is the newest committed checkpoint now (None: there is none);
+        ``previous`` the cause of the previous end (``exits.cause``), or None.
+        """
+        state = self.read()
+        newest = -1 if newest_step is None else newest_step
+        failed = previous is not None and previous.get("kind") in FAILURES
+        if failed:
+            # What was newest when that start began; unknown when it died before it
+            # looked, and then it had no time to commit anything either.
+            began = previous.get("newest_step")
+            if began is None:
+                began = state["newest_step"] if state is not None else newest
+            if newest > began:
+                failed = False              # it committed a newer checkpoint before failing
+        if not failed:
+            if state is not None and newest > state["newest_step"]:
+                self._clear()               # progress since the count began
+                state = None
+        else:
+            key = previous.get("attempt")
+            if state is None:
+                state = {"newest_step": newest, "failed_starts": 0, "last_counted": None,
+                         "history": []}
+            if key is None or key != state.get("last_counted"):
+                state["failed_starts"] += 1
+                state["last_counted"] = key
+                state["history"] = [*state["history"], previous.get("summary", "")][-HISTORY:]
+                state["updated"] = time.time()
+                self._write(state)
+        count = state["failed_starts"] if state is not None else 0
+        if self.limit and count >= self.limit:
+            return count, self._refusal(state)
+        return count, None
+
+    def _refusal(self, state: dict[str, Any]) -> str:
+        newest = state["newest_step"]
+        where = f"step {newest}" if newest >= 0 else "none"
+        causes = " | ".join(dict.fromkeys(state["history"])) or "not recorded"
+        return (f"{state['failed_starts']} start(s) in a row failed without committing a new "
+                f"checkpoint (recovery.max_attempts_without_progress={self.limit}; the "
+                f"newest checkpoint is {where}). Cause(s): {causes}. Retrying will not help "
+                f"until the cause is fixed; then remove {self.path} (or raise "
+                "recovery.max_attempts_without_progress, 0 = no limit) and run again")

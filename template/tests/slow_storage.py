@@ -1,0 +1,98 @@
+"""A deliberately slow checkpoint storage, and a probe that saves and trains through it.
+
+``SlowWriter`` is DCP's filesystem writer that sleeps before writing: a slow disk or
+object store. In ``process`` mode DCP pickles the writer into its checkpoint process,
+which imports this module by name, so it lives here, at module level, on the path
+(tests/ is on PYTHONPATH when ``test_save_path`` runs the probe).
+
+The probe runs in a process of its own (``python -c "import slow_storage;
+slow_storage.main()" MODE DELAY_S``: DCP's checkpoint process and the process group
+stay out of the test process) and prints one JSON line: how long ``save()`` took
+against the write, and the step times of a training loop with a save in flight.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemWriter
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = next(p.parent.name for p in sorted((ROOT / "src").glob("*/train.py")))
+SAVE_STEP = 1000   # the one save of the training loop (its interval: no other step is due)
+
+
+class SlowWriter(FileSystemWriter):
+    """DCP's filesystem writer, sleeping ``delay_s`` before it writes anything."""
+
+    def __init__(self, path: str, delay_s: float) -> None:
+        super().__init__(path, sync_files=True)
+        self.delay_s = delay_s
+
+    def write_data(self, plan, planner):
+        time.sleep(self.delay_s)
+        return super().write_data(plan, planner)
+
+
+def _module(name: str):
+    return importlib.import_module(f"{PACKAGE}.{name}")
+
+
+def slow_storage(root: Path, delay_s: float):
+    """The project's local storage, writing through SlowWriter."""
+    local = _module("checkpoint.storage").LocalStorage
+
+    class SlowStorage(local):
+        def writer(self, name: str) -> SlowWriter:
+            return SlowWriter(self.path(name), delay_s)
+
+    return SlowStorage(root)
+
+
+def main() -> None:
+    mode, delay_s = sys.argv[1], float(sys.argv[2])
+    bench = _module("bench")
+    config = _module("config")
+    cfg = config.load_config(ROOT / "configs/train.yaml",
+                             ["model.d_model=32", "model.n_layers=1",
+                              f"checkpoint.async_mode={mode}"])
+    runtime = _module("distributed").setup(cfg.distributed)
+    task = _module("task_contract").load_task()
+    built = bench.build_state(cfg, task, runtime)
+    root = Path(tempfile.mkdtemp(prefix="slow-storage-"))
+    manager = _module("checkpoint.manager").CheckpointManager(
+        slow_storage(root / "ckpt", delay_s), mode=config.AsyncMode(mode), keep_last=5,
+        is_coordinator=True, device=runtime.device)
+    manager.prepare()
+    failure = manager.warm_up(built.state, 120, str(root / "checkpoint-process.log"))
+    assert failure is None, failure
+
+    # One save: how long the call and the staging take, whether it is committed yet.
+    began = time.perf_counter()
+    manager.save(1, built.state, "interval", {"world_size": 1})
+    call_s = time.perf_counter() - began
+    manager.wait_staged()
+    blocking_s = time.perf_counter() - began
+    committed_at_return = manager.poll() is not None or manager.newest() is not None
+    result = manager.wait()
+    newest = manager.newest()
+    save = {"call_s": call_s, "blocking_s": blocking_s,
+            "committed_at_return": committed_at_return,
+            "commit_latency_s": result.commit_latency_s if result else None,
+            "newest_step": newest.step if newest else None}
+
+    # A training loop whose one save (at SAVE_STEP) is written while it trains on.
+    loop = bench._Loop(cfg, task, built, runtime)
+    policy = bench._policy(manager, built, SAVE_STEP)
+    steps = bench._run_steps(loop, policy, SAVE_STEP - 8, 40)
+    policy.finish(bench._Boundary())
+    last = manager.last_committed
+    train = {"steps": steps, "committed_step": last.step if last else None,
+             "commit_latency_s": last.commit_latency_s if last else None}
+    _module("distributed").teardown()
+    print(json.dumps({"mode": mode, "delay_s": delay_s, "save": save, "train": train}))

@@ -1,0 +1,428 @@
+"""Recovery from failures that are not preemptions (docs/RECOVERY.md).
+
+In-place restarts by torchrun after a worker dies, the step watchdog for a hung rank,
+the no-progress guard that stops retrying, and straggler detection. The jobs run
+through ``resume`` with 2 CPU ranks, as a launcher runs them; the tests that need a
+failing or slow task run a copy of the project whose task.py has a test hook appended
+(nothing in the harness knows about it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PACKAGE, ROOT, finish, project_module, read_events, wait_until
+
+exit_codes = project_module("exit_codes")
+exits = project_module("exits")
+SMALL = ["model.d_model=32", "model.n_layers=1", "model.dropout=0.1", "log.every_steps=1000",
+         "train.global_batch_size=16", "train.micro_batch_size=2",
+         "checkpoint.async_mode=sync", "checkpoint.interval_steps=4"]
+
+
+# ----------------------------------------------------------------- helpers --
+def project_copy(tmp_path: Path, hook: str = "") -> Path:
+    """The project's src/, configs/ and launch/ in ``tmp_path/project``, with ``hook``
+    appended to its task.py (a test's own task, not the harness's)."""
+    root = tmp_path / "project"
+    for part in ("src", "configs", "launch"):
+        if (ROOT / part).is_dir():
+            shutil.copytree(ROOT / part, root / part,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+    if hook:
+        with open(root / "src" / PACKAGE / "task.py", "a", encoding="utf-8") as task:
+            task.write("\n\n# ---- test hook (tests/test_recovery.py) ----\n" + hook)
+    return root
+
+
+def env_for(root: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1", **extra}
+
+
+def start_resume(root: Path, base: Path, *args: str, env: dict[str, str] | None = None,
+                 log_name: str = "job.log") -> tuple[subprocess.Popen, Path]:
+    """``resume --nproc-per-node 2`` in a session of its own; output to base/log_name."""
+    base.mkdir(parents=True, exist_ok=True)
+    log = base / log_name
+    cmd = [sys.executable, "-m", f"{PACKAGE}.resume", "--nproc-per-node", "2",
+           "--config", str(root / "configs" / "train.yaml"), *SMALL,
+           f"checkpoint.dir={base / 'ckpt'}", f"log.dir={base / 'logs'}", *args]
+    with open(log, "w", encoding="utf-8") as out:
+        proc = subprocess.Popen(cmd, cwd=root, env=env or env_for(root), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+def worker(resume_pid: int, rank: int) -> int:
+    """The pid of the training worker of ``rank`` below ``resume_pid`` (via /proc)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int(
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+
+    def below(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == resume_pid:
+                return True
+        return False
+
+    for pid in parents:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if below(pid) and f"{PACKAGE}.train".encode() in cmdline and \
+                f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} below pid {resume_pid}")
+
+
+def losses(logs: Path) -> dict[int, set[float]]:
+    """Every loss logged for each step (a step run twice, before and after a restart,
+    has two entries unless they are identical)."""
+    found: dict[int, set[float]] = {}
+    for event in read_events(logs, "step"):
+        found.setdefault(event["step"], set()).add(event["loss"])
+    return found
+
+
+# ------------------------------------------------------------ fast checks --
+def test_torchrun_command_restarts_in_place_with_a_fresh_store_per_attempt():
+    config = project_module("config").load_config(ROOT / "configs/train.yaml")
+    launch = project_module("launch")
+    cmd = launch.torchrun_command("train", [], config.preemption, nproc_per_node=2,
+                                  max_restarts=config.recovery.max_restarts)
+    assert f"--max-restarts={config.recovery.max_restarts}" in cmd
+    assert cmd[:2] == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]
+    plain = launch.torchrun_command("train", [], config.preemption, nproc_per_node=2,
+                                    max_restarts=0)
+    assert "--max-restarts=0" in plain and plain[0] == sys.executable
+
+
+@pytest.mark.parametrize("override, message", [
+    ("recovery.max_restarts=-1", "recovery.max_restarts must be >= 0"),
+    ("recovery.step_timeout_s=-5", "recovery.step_timeout_s must be a finite number"),
+    ("recovery.straggler_ratio=1", "recovery.straggler_ratio must be a finite number > 1"),
+    ("preemption.exit_code=79", "preemption.exit_code must be in 3..127 and not 73, 79"),
+    ("plan.crash_share=1.5", "plan.crash_share must be a number between 0 and 1"),
+])
+def test_bad_recovery_settings_are_refused(override, message):
+    config = project_module("config")
+    with pytest.raises(config.ConfigError, match=message):
+        config.load_config(ROOT / "configs/train.yaml", [override])
+
+
+def test_watchdog_dumps_every_stack_and_exits_hung(capfd):
+    exited: list[int] = []
+    hangs: list[tuple] = []
+    watchdog = project_module("watchdog").StepWatchdog(
+        rank=3, step_timeout_s=0.3, first_step_timeout_s=0.3,
+        on_hang=lambda *args: hangs.append(args), exit=exited.append)
+    watchdog.start(7)
+    for step in (8, 9, 10):
+        time.sleep(0.1)
+        watchdog.beat(step, 0.1)
+    began = time.monotonic()
+    while not exited and time.monotonic() - began < 5:
+        time.sleep(0.01)
+    assert exited == [exit_codes.HUNG] and 0.25 < time.monotonic() - began < 2.0
+    assert hangs and hangs[0][0] == 10
+    err = capfd.readouterr().err
+    assert "rank 3: no step finished" in err and "most recent call first" in err
+    assert "test_watchdog_dumps_every_stack_and_exits_hung" in err   # the main thread's stack
+
+
+def test_watchdog_bounds_first_steps_and_then_follows_the_step_time():
+    watchdog = project_module("watchdog")
+    dog = watchdog.StepWatchdog(rank=0, step_timeout_s=0, first_step_timeout_s=600)
+    assert dog.timeout_s() == 600                      # the first step
+    for step in range(1, watchdog.AUTO_AFTER_STEPS):
+        dog.beat(step, 0.5)
+    assert dog.timeout_s() == 600                      # not yet 20 steps measured
+    dog.beat(20, 0.5)
+    assert dog.timeout_s() == watchdog.AUTO_MIN_S      # max(60 s, 10 x 0.5 s)
+    for step in range(21, 60):
+        dog.beat(step, 9.0)
+    assert dog.timeout_s() == 90.0                     # 10 x the median
+    fixed = watchdog.StepWatchdog(rank=0, step_timeout_s=5, first_step_timeout_s=600)
+    fixed.beat(1, 0.1)
+    assert fixed.timeout_s() == 5
+
+
+def record(rank: int, state: str, **fields) -> dict:
+    return {"rank": rank, "state": state, "host": "h", "pid": 100 + rank, "run_id": "r",
+            "restart": 0, "started": 1000.0, "time": 1010.0 + rank, "step": 5, **fields}
+
+
+def test_the_cause_names_the_rank_that_died_without_a_word():
+    cause = exits.cause([record(0, "crashed", status=1, reason="RuntimeError: reset by peer"),
+                         record(1, "running")])
+    assert (cause["kind"], cause["rank"], cause["failed_at"]) == ("lost", 1, 1010.0)
+    assert "rank 1 ended without a word" in cause["summary"]
+    assert "rank 0 crashed at step 5: RuntimeError" in cause["summary"]
+    assert exits.cause([record(0, "running"), record(1, "running")])["kind"] == "killed"
+    hang = exits.cause([record(0, "hung", status=exit_codes.HUNG, reason="no step"),
+                        record(1, "crashed", status=1, reason="x")])
+    assert (hang["kind"], hang["rank"], hang["status"]) == ("hang", 0, exit_codes.HUNG)
+    done = exits.cause([record(0, "ended", status=130, reason="interrupted by the user")])
+    assert (done["kind"], done["signal"], done["failed_at"]) == ("exit", "SIGINT", None)
+
+
+def test_the_guard_counts_failed_starts_without_progress_and_resets_on_a_checkpoint(tmp_path):
+    storage = project_module("checkpoint").LocalStorage(tmp_path)
+    guard = project_module("progress_guard").ProgressGuard(storage, limit=3)
+
+    def failed(n: int, newest_at_start: int) -> dict:
+        return {"kind": "crash", "attempt": f"a{n}", "summary": f"crash {n}",
+                "newest_step": newest_at_start}
+
+    assert guard.on_start(8, None) == (0, None) and guard.read() is None
+    assert guard.on_start(8, failed(1, 8)) == (1, None)
+    assert guard.on_start(8, failed(1, 8)) == (1, None)     # the same start, counted once
+    assert guard.on_start(8, {"kind": "killed", "attempt": "k"}) == (1, None)
+    assert guard.on_start(8, {"kind": "exit", "attempt": "e"}) == (1, None)
+    assert guard.on_start(8, failed(2, 8)) == (2, None)
+    count, refusal = guard.on_start(8, failed(3, 8))
+    assert count == 3 and "3 start(s) in a row failed" in refusal
+    assert "crash 1 | crash 2 | crash 3" in refusal and "progress.json" in refusal
+    assert guard.on_start(8, None)[1] is not None          # and every start after it
+    assert guard.on_start(12, failed(4, 8)) == (0, None)   # it committed step 12 first
+    assert guard.read() is None                             # no file while nothing is counted
+    off = project_module("progress_guard").ProgressGuard(storage, limit=0)
+    for n in range(5):
+        assert off.on_start(12, failed(10 + n, 12))[1] is None
+
+
+def test_stragglers_must_be_slower_by_the_ratio_and_cost_a_share_of_the_step():
+    find = project_module("stragglers").find_stragglers
+    assert find([0.002, 0.210, 0.002, 0.003], step_s=0.25, ratio=1.5) == [1]
+    assert find([0.002, 0.005], step_s=0.25, ratio=1.5) == []   # 2.5x, but 1 % of a step
+    assert find([0.10, 0.12], step_s=0.3, ratio=1.5) == []       # 20 % apart: not 1.5x
+
+
+def test_the_plan_tells_in_place_restarts_from_reschedules(tmp_path, capsys):
+    model = project_module("plan_model")
+    inputs = model.Inputs(8, 2, 10, 10, 120, 5, crash_share=0.25)
+    plan = model.make_plan(inputs, in_place_restart_seconds=12)
+    # Written from the formula, not from plan_model: S = c(R - R_in)/M.
+    assert plan.in_place_saving == pytest.approx(0.25 * (120 - 12) / (8 * 3600))
+    assert plan.expected_badput_with_in_place == pytest.approx(
+        plan.expected_badput - plan.in_place_saving)
+    assert model.make_plan(inputs).in_place_saving is None
+    metrics = tmp_path / "metrics.jsonl"
+    events = [{"event": "step", "step": n, "step_time_s": 2.0} for n in range(1, 5)]
+    events += [{"event": "save", "step": 4, "reason": "interval", "blocking_s": 1.0,
+                "commit_latency_s": 2.0}]
+    events += [{"event": "recovered", "in_place": True, "failure_to_first_step_s": s}
+               for s in (9.0, 7.0, 30.0)]
+    events += [{"event": "recovered", "in_place": False, "failure_to_first_step_s": 500.0}]
+    metrics.write_text("".join(json.dumps(e) + "\n" for e in events))
+    measured = model.read_metrics(metrics)
+    assert (measured.in_place_restart_seconds, measured.in_place_restart_count) == (9.0, 3)
+    code = project_module("plan").main(["--metrics", str(metrics), "--json", "--mtbi-hours",
+                                        "8", "--restart-seconds", "120", "--crash-share", "0.5",
+                                        "--badput-target-percent", "5"])
+    got = json.loads(capsys.readouterr().out)
+    assert code == 0 and got["in_place_restart_seconds"] == 9.0
+    assert got["inputs"]["crash_share"] == 0.5
+    assert got["in_place_saving_percent"] == pytest.approx(100 * 0.5 * (120 - 9) / 28800)
+
+
+def test_resume_passes_the_do_not_retry_status_through(tmp_path):
+    resume, config = project_module("resume"), project_module("config")
+    storage = project_module("checkpoint").LocalStorage(tmp_path)
+    code = resume.exit_status(1, storage, None, config.PreemptionConfig(), [],
+                              training_status=(exit_codes.NO_PROGRESS, "no progress"))
+    assert code == exit_codes.NO_PROGRESS
+
+
+# --------------------------------------------------------------- the jobs --
+def test_a_status_training_decides_is_not_restarted_in_place(tmp_path):
+    """The guard refuses at the first start: the job must end there with 79, not be
+    started three more times by torchrun (which restarts on any non-zero exit)."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "progress.json").write_text(json.dumps(
+        {"newest_step": -1, "failed_starts": 3, "last_counted": "earlier",
+         "history": ["rank 0 crashed at step 1: RuntimeError: earlier"]}))
+    proc, log = start_resume(ROOT, tmp_path, "train.max_steps=4")
+    assert finish(proc, 300) == exit_codes.NO_PROGRESS, log.read_text()[-3000:]
+    output = log.read_text()
+    assert "asking torchrun" in output and "RuntimeError: earlier" in output
+    ends = read_events(tmp_path / "logs", "end")
+    assert [(e["status"], e["restart"]) for e in ends] == [(exit_codes.NO_PROGRESS, 0)]
+    assert read_events(tmp_path / "logs", "start") == []      # refused before training
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted_in_place_and_the_run_stays_exact(tmp_path):
+    steps = ["train.max_steps=24"]
+    ref, ref_log = start_resume(ROOT, tmp_path / "reference", *steps)
+    assert finish(ref, 600) == 0, ref_log.read_text()[-3000:]
+    proc, log = start_resume(ROOT, tmp_path / "killed", *steps)
+    logs = tmp_path / "killed" / "logs"
+    wait_until(lambda: len(read_events(logs, "step")) >= 10, proc, "ten steps", log_file=log)
+    os.kill(worker(proc.pid, rank=1), signal.SIGKILL)
+    assert finish(proc, 600) == 0, log.read_text()[-3000:]
+    reference, got = losses(tmp_path / "reference" / "logs"), losses(logs)
+    assert sorted(got) == list(range(1, 25))
+    for step, values in got.items():
+        assert values == reference[step], (step, values, reference[step])   # bit-identical
+    starts = read_events(logs, "start")
+    assert [s["restart"] for s in starts] == [0, 1]
+    cause = starts[1]["cause"]
+    assert (cause["kind"], cause["rank"]) == ("lost", 1) and "rank 0 crashed" in cause["summary"]
+    assert starts[1]["resumed_from"] and starts[1]["step"] >= 8
+    recovered = read_events(logs, "recovered")
+    assert len(recovered) == 1 and recovered[0]["in_place"]
+    assert 0 < recovered[0]["failure_to_first_step_s"] < 120
+    assert read_events(logs, "end")[-1]["status"] == 0
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_is_found_by_the_watchdog_and_the_job_finishes(tmp_path):
+    timeout = 5.0
+    proc, log = start_resume(ROOT, tmp_path, "train.max_steps=30",
+                             f"recovery.step_timeout_s={timeout}",
+                             "checkpoint.wait_timeout_s=5")
+    logs = tmp_path / "logs"
+    wait_until(lambda: len(read_events(logs, "step")) >= 6, proc, "six steps", log_file=log)
+    stopped = worker(proc.pid, rank=1)
+    os.kill(stopped, signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        hang = wait_until(lambda: read_events(logs, "hang"), proc, "the watchdog",
+                          timeout=120, log_file=log)[0]
+        assert finish(proc, 600) == 0, log.read_text()[-3000:]
+    finally:
+        try:
+            os.kill(stopped, signal.SIGKILL)     # torchrun kills it; never leave it stopped
+        except ProcessLookupError:
+            pass
+    # The bound runs from the last step finished, before the stop; the step that saves
+    # gets checkpoint.wait_timeout_s and 4 x the measured write time more; the watchdog
+    # looks every bound/20; 2 s for the rest.
+    writes = [e["write_s"] for e in read_events(logs, "save") if e["time"] < stopped_at]
+    assert hang["rank"] == 0
+    assert hang["time"] - stopped_at < timeout + 5 + 4 * max(writes, default=0) + 2
+    output = log.read_text()
+    assert "rank 0: no step finished" in output and "most recent call first" in output
+    assert "distributed_c10d.py" in output       # where the main thread was stuck
+    starts = read_events(logs, "start")
+    assert [s["restart"] for s in starts] == [0, 1]
+    assert any(r["state"] == "hung" and r["rank"] == 0 for r in starts[1]["cause"]["ranks"])
+    assert sorted(losses(logs)) == list(range(1, 31))
+
+
+RAISE_HOOK = '''
+import os as _os
+
+_loss_and_metrics = loss_and_metrics
+_calls = [0]
+
+
+def loss_and_metrics(model, batch):
+    _calls[0] += 1
+    if _os.environ.get("RECOVERY_TEST_RAISE") and _calls[0] == 1:
+        raise RuntimeError("test hook: this checkpoint makes every start fail")
+    return _loss_and_metrics(model, batch)
+'''
+
+FAKE_SLURM = {
+    "scontrol": 'if [ "$1" = show ]; then echo localhost; else echo "$@" >> "$FAKE_SLURM_LOG"; fi',
+    "sbatch": 'echo "sbatch $*" >> "$FAKE_SLURM_LOG"',
+    "srun": ('[ "$1" = python ] && shift && set -- "$FAKE_PYTHON" "$@"\n"$@"\nstatus=$?\n'
+             'echo "srun exited $status" >> "$FAKE_SLURM_LOG"\nexit $status'),
+}
+
+
+@pytest.mark.slow
+def test_starts_that_fail_without_progress_end_with_the_do_not_retry_status(tmp_path):
+    root = project_copy(tmp_path, RAISE_HOOK)
+    base = tmp_path / "run"
+    first, log = start_resume(root, base, "train.max_steps=4", log_name="first.log")
+    assert finish(first, 600) == 0, log.read_text()[-3000:]
+    # Every start from here on raises at its first step: torchrun restarts in place
+    # (recovery.max_restarts=3) and the fourth start finds three failures counted.
+    overrides = [*SMALL, "train.max_steps=8", f"checkpoint.dir={base / 'ckpt'}",
+                 f"log.dir={base / 'logs'}"]
+    env = env_for(root, RECOVERY_TEST_RAISE="1")
+    slurm = root / "launch" / "slurm.sbatch"
+    if slurm.is_file():          # through the Slurm script, with fake Slurm commands
+        fake = tmp_path / "bin"
+        fake.mkdir()
+        for name, body in FAKE_SLURM.items():
+            (fake / name).write_text("#!/bin/bash\n" + body + "\n")
+            (fake / name).chmod(stat.S_IRWXU)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env.update(PATH=f"{fake}:{env['PATH']}", FAKE_SLURM_LOG=str(tmp_path / "slurm.log"),
+                   FAKE_PYTHON=sys.executable, SLURM_JOB_ID="4242", SLURM_NNODES="1",
+                   SLURM_JOB_NODELIST="localhost", SLURM_GPUS_ON_NODE="2",
+                   SLURM_SUBMIT_DIR=str(root), RDZV_PORT=str(port))
+        cmd = ["bash", str(slurm), "--config", str(root / "configs" / "train.yaml"), *overrides]
+    else:
+        cmd = [sys.executable, "-m", f"{PACKAGE}.resume", "--nproc-per-node", "2",
+               "--config", str(root / "configs" / "train.yaml"), *overrides]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900,
+                          check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == exit_codes.NO_PROGRESS, output[-4000:]
+    assert "3 start(s) in a row failed without committing a new checkpoint" in output
+    assert "test hook: this checkpoint makes every start fail" in output
+    starts = read_events(base / "logs", "start")
+    assert [s["restart"] for s in starts] == [0, 0, 1, 2]      # the first job, then 3 tries
+    assert [s["failed_starts"] for s in starts[1:]] == [0, 1, 2]
+    assert read_events(base / "logs", "end")[-1]["status"] == exit_codes.NO_PROGRESS
+    progress = json.loads((base / "ckpt" / "progress.json").read_text())
+    assert progress["failed_starts"] == 3 and progress["newest_step"] == 4
+    if slurm.is_file():
+        calls = (tmp_path / "slurm.log").read_text()
+        assert f"srun exited {exit_codes.NO_PROGRESS}" in calls
+        assert "requeue" not in calls and "sbatch" not in calls, calls
+
+
+SLOW_RANK_HOOK = '''
+import os as _os
+import time as _time
+
+from torch.utils.data import default_collate as _default_collate
+
+
+def collate(samples):
+    if _os.environ.get("RANK") == _os.environ.get("RECOVERY_TEST_SLOW_RANK"):
+        _time.sleep(float(_os.environ.get("RECOVERY_TEST_DELAY_S", "0.05")))
+    return _default_collate(samples)
+'''
+
+
+@pytest.mark.slow
+def test_a_slowed_rank_is_reported_as_a_straggler(tmp_path):
+    root = project_copy(tmp_path, SLOW_RANK_HOOK)
+    proc, log = start_resume(root, tmp_path / "run", "train.max_steps=10",
+                             "recovery.straggler_every_steps=5",
+                             env=env_for(root, RECOVERY_TEST_SLOW_RANK="1"))
+    assert finish(proc, 600) == 0, log.read_text()[-3000:]
+    found = read_events(tmp_path / "run" / "logs", "straggler")
+    assert [(e["step"], e["rank"]) for e in found] == [(5, 1), (10, 1)], found
+    # 4 micro-batches of 50 ms each per step on rank 1: its own time is about 0.2 s.
+    assert all(e["own_s"] > 0.15 and e["ratio"] > 1.5 for e in found)
+    assert "warning: rank 1 is a straggler" in log.read_text()

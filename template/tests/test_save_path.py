@@ -1,0 +1,94 @@
+"""Saves stay off the training path, and the save plan comes from the cache.
+
+A deliberately slow storage (``slow_storage.SlowWriter`` sleeps before it writes) must
+not slow ``save()`` down, nor the training steps while the save is written: if saves
+were written on the training path (e.g. synchronously), these tests fail. The probe runs
+in a process of its own, with DCP's checkpoint process in ``process`` mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import ROOT, _env, project_module
+
+DELAY_S = 2.0   # how long the slow storage sleeps before writing a save
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def probe(request) -> dict:
+    """One probe run per mode: a save through the slow storage, then a training loop."""
+    env = _env()
+    tests = str(Path(__file__).resolve().parent)
+    env["PYTHONPATH"] = tests + os.pathsep + env["PYTHONPATH"]   # for the checkpoint process
+    proc = subprocess.run([sys.executable, "-c", "import slow_storage; slow_storage.main()",
+                           request.param, str(DELAY_S)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_slow_storage_does_not_slow_the_save_call(probe):
+    """save() returns, and the state is staged, in a small fraction of the write time;
+    the checkpoint is committed later, once the slow write is done."""
+    save = probe["save"]
+    assert save["blocking_s"] < 0.2 * DELAY_S, save
+    assert not save["committed_at_return"], save
+    assert save["commit_latency_s"] >= DELAY_S, save
+    assert save["newest_step"] == 1
+
+
+def test_training_steps_are_unaffected_while_a_save_is_in_flight(probe):
+    """The step that starts the save and the steps trained while it is written take what
+    the steps without a save take; the save commits meanwhile."""
+    steps = probe["train"]["steps"]
+    clean = [s for s, kind in steps if kind == "clean"]
+    started = [s for s, kind in steps if kind == "save"]
+    in_flight = [s for s, kind in steps if kind == "in_flight"]
+    assert len(started) == 1 and len(clean) >= 5, steps
+    typical = statistics.median(clean)
+    assert started[0] < typical + 0.2 * DELAY_S, steps
+    assert len(in_flight) >= 3, steps            # the save really was written meanwhile
+    assert max(in_flight) < typical + 0.2 * DELAY_S, steps
+    assert statistics.median(in_flight) < 1.5 * typical + 0.05, steps
+    assert probe["train"]["committed_step"] == 1000
+    assert probe["train"]["commit_latency_s"] >= DELAY_S
+
+
+# ---------------------------------------------------------------- plan cache --
+@pytest.mark.parametrize("mode", ["sync", "thread"])
+def test_the_save_plan_comes_from_the_cache_even_between_other_saves(tmp_path, mode):
+    """Saves of the same state after the first reuse the cached plan, counted by the
+    manager's own planner in the process that plans (this one in sync and thread mode).
+    A differently shaped save in between (the checkpoint process's start-up save has a
+    planner class of its own, as an export must) does not evict it."""
+    manager_mod = project_module("checkpoint.manager")
+    storage = project_module("checkpoint.storage").LocalStorage(tmp_path / "ckpt")
+    background = project_module("checkpoint.background")
+    manager = manager_mod.CheckpointManager(storage, mode=mode, keep_last=2,
+                                            is_coordinator=True, device=torch.device("cpu"))
+    manager.prepare()
+    state = {"w": torch.randn(64, 8), "b": torch.zeros(8), "progress": {"step": 0}}
+    planner = manager_mod.TrainingStatePlanner
+    hits = []
+    for step in range(1, 5):
+        state["progress"]["step"] = step
+        state["w"].add_(1.0)
+        before = planner.cache_hits
+        result = manager.save(step, state, "interval", {"world_size": 1})   # sync: committed
+        assert (result or manager.wait()) is not None, manager.last_error
+        hits.append(planner.cache_hits - before)
+        other = {"another": torch.ones(3), "shape": torch.ones(5, 2)}
+        dcp.save(other, storage_writer=dcp.FileSystemWriter(tmp_path / f"other{step}"),
+                 planner=background._StartPlanner())
+    manager.close()
+    assert hits[1:] == [1, 1, 1], hits
