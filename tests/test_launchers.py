@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -56,6 +57,19 @@ def test_gpus_per_node_reaches_every_launcher(project):
 
 
 # ------------------------------------------------------------- Kubernetes ----
+
+def test_training_never_runs_as_root(project):
+    """The image's user and the pod's security context agree: uid 1000, no escalation."""
+    dockerfile = (project / "Dockerfile").read_text()
+    assert re.search(r"^USER 1000$", dockerfile, re.MULTILINE)
+    assert dockerfile.index("USER 1000") > dockerfile.index("pip install")
+    pod = kubernetes_docs(project)["Job"]["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000}
+    container = pod["containers"][0]["securityContext"]
+    assert container["allowPrivilegeEscalation"] is False
+    assert container["capabilities"] == {"drop": ["ALL"]}
+
+
 
 @pytest.mark.parametrize("answers", [ALL, {"launchers": ["kubernetes"], "project_name": "r" * 63,
                                            "image": "ghcr.io/me/run:v1", "cloud": "gcp"}],

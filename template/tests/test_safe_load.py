@@ -79,13 +79,13 @@ def test_plain_values_still_load(tmp_path, ckpt):
     layout, storage_mod = ckpt
     manager_mod = project_module("checkpoint.manager")
     storage = storage_mod.LocalStorage(tmp_path)
-    saved = {"w": torch.arange(6.0), "progress": {"step": 7, "lr": [0.1, 0.01], "name": "x",
-                                                 "flags": (True, None)}}
+    progress = {"step": 7, "lr": [0.1, 0.01], "name": "x", "flags": (True, None)}
+    saved = {"w": torch.arange(6.0), "progress": progress}
     dcp.save(saved, storage_writer=storage.writer(layout.staging_name(7, storage)),
              no_dist=True)
     committed = layout.commit(storage, 7, {"world_size": 1})
-    state = {"w": torch.zeros(6), "progress": {"step": 0, "lr": [0, 0], "name": "",
-                                               "flags": (False, 0)}}
+    blank = {"step": 0, "lr": [0, 0], "name": "", "flags": (False, 0)}
+    state = {"w": torch.zeros(6), "progress": blank}
     manager_mod.CheckpointManager(storage, mode="sync", keep_last=1, is_coordinator=True,
                                   device=torch.device("cpu")).load(state, committed)
     assert torch.equal(state["w"], saved["w"]) and state["progress"] == saved["progress"]

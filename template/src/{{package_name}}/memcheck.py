@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     rss = [peak["VmRSS"] for _, peak in results]
     spread = (max(rss) - min(rss)) / min(rss)
     verdict = "within" if spread < TOLERANCE else "NOT within"
-    print(f"largest difference {spread:.1%}: {verdict} {TOLERANCE:.0%}")
+    print(f"largest difference {spread * 100:.1f}%: {verdict} {TOLERANCE * 100:.0f}%")
     return exit_codes.OK if spread < TOLERANCE else exit_codes.FAILED
 
 

@@ -304,7 +304,7 @@ class Progress:
         self.shown = now if self.tty else fraction
         elapsed = max(now - self.began, 1e-9)
         bar = "#" * int(fraction * 30)
-        line = (f"[{bar:<30}] {fraction:4.0%} {self.done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB "
+        line = (f"[{bar:<30}] {fraction * 100:3.0f}% {self.done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB "
                 f"{self.done / 1e6 / elapsed:,.1f} MB/s {self.tokens:,} tokens")
         print(("\r" if self.tty else "") + line, end="\n" if final or not self.tty else "",
               file=sys.stderr, flush=True)
