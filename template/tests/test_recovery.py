@@ -264,11 +264,11 @@ def test_a_status_training_decides_is_not_restarted_in_place(tmp_path):
          "history": ["rank 0 crashed at step 1: RuntimeError: earlier"]}))
     proc, log = start_resume(ROOT, tmp_path, "train.max_steps=4")
     assert finish(proc, 300) == exit_codes.NO_PROGRESS, log.read_text()[-3000:]
-    output = log.read_text()
-    assert "asking torchrun" in output and "RuntimeError: earlier" in output
     ends = read_events(tmp_path / "logs", "end")
     assert [(e["status"], e["restart"]) for e in ends] == [(exit_codes.NO_PROGRESS, 0)]
     assert read_events(tmp_path / "logs", "start") == []      # refused before training
+    output = log.read_text()
+    assert "asking torchrun" in output and "RuntimeError: earlier" in output
 
 
 @pytest.mark.slow

@@ -77,7 +77,8 @@ def test_the_save_plan_comes_from_the_cache_even_between_other_saves(tmp_path, m
     manager = manager_mod.CheckpointManager(storage, mode=mode, keep_last=2,
                                             is_coordinator=True, device=torch.device("cpu"))
     manager.prepare()
-    state = {"w": torch.randn(64, 8), "b": torch.zeros(8), "progress": {"step": 0}}
+    progress = {"step": 0}
+    state = {"w": torch.randn(64, 8), "b": torch.zeros(8), "progress": progress}
     planner = manager_mod.TrainingStatePlanner
     hits = []
     for step in range(1, 5):

@@ -187,7 +187,8 @@ def _train(cfg: Config, runtime: Runtime, manager: CheckpointManager, stop: Stop
         return _refuse(refused)
     failed_starts, no_progress = _guard_progress(cfg, runtime, manager, attempt, previous)
     if no_progress is not None:
-        print(f"error: {no_progress}", file=sys.stderr, flush=True)
+        if runtime.is_main:
+            print(f"error: {no_progress}", file=sys.stderr, flush=True)
         metrics.say(f"exit status {exit_codes.NO_PROGRESS}: do not retry")
         return exit_codes.NO_PROGRESS, no_progress
     try:
