@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -95,4 +96,5 @@ def main() -> None:
     train = {"steps": steps, "committed_step": last.step if last else None,
              "commit_latency_s": last.commit_latency_s if last else None}
     _module("distributed").teardown()
+    shutil.rmtree(root, ignore_errors=True)
     print(json.dumps({"mode": mode, "delay_s": delay_s, "save": save, "train": train}))

@@ -1,4 +1,5 @@
-"""Saves stay off the training path, and the save plan comes from the cache.
+"""Saves stay off the training path, a save given up is never committed, and the save
+plan comes from the cache.
 
 A deliberately slow storage (``slow_storage.SlowWriter`` sleeps before it writes) must
 not slow ``save()`` down, nor the training steps while the save is written: if saves
@@ -13,6 +14,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,24 @@ def test_training_steps_are_unaffected_while_a_save_is_in_flight(probe):
     assert statistics.median(in_flight) < 1.5 * typical + 0.05, steps
     assert probe["train"]["committed_step"] == 1000
     assert probe["train"]["commit_latency_s"] >= DELAY_S
+
+
+def test_a_background_save_given_up_is_never_committed_when_it_finishes(tmp_path):
+    """A save abandoned while the slow storage still writes it (a stop that ran out of
+    grace) must not be committed by the upload thread once the write is done."""
+    import slow_storage
+
+    manager_mod = project_module("checkpoint.manager")
+    storage = slow_storage.slow_storage(tmp_path / "ckpt", 0.5)
+    manager = manager_mod.CheckpointManager(storage, mode="thread", keep_last=2,
+                                            is_coordinator=True, device=torch.device("cpu"))
+    manager.prepare()
+    manager.save(3, {"w": torch.ones(16)}, "interval", {"world_size": 1})
+    manager.wait_staged()
+    assert manager.abandon("test") == 3
+    time.sleep(1.5)   # the write finishes meanwhile
+    assert manager.newest() is None and manager.last_committed is None
+    assert not (tmp_path / "ckpt" / "step_000000003.tmp" / "commit.json").exists()
 
 
 # ---------------------------------------------------------------- plan cache --

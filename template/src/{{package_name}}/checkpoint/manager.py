@@ -10,6 +10,7 @@ step), and ``poll`` at every step so that a finished save is committed promptly.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent import futures
 from concurrent.futures import Future
@@ -65,6 +66,7 @@ class _InFlight:
     written: float | None = None      # perf_counter() when the upload finished
     committed: Future | None = None   # the coordinator's commit, run once the upload is done
     metadata: Any = None              # DCP's Metadata of the written save (names every file)
+    given_up: bool = False            # abandoned: the commit must not happen any more
 
 
 class CheckpointManager:
@@ -101,6 +103,9 @@ class CheckpointManager:
             self._group = dist.new_group(backend="gloo")
         self._inflight: _InFlight | None = None
         self._prestaging: Future | None = None   # buffers being allocated (``prestage``)
+        # Held by a commit in DCP's upload thread and by ``abandon``: once a save is given
+        # up, no commit of it starts; one already under way finishes first.
+        self._commit_lock = threading.Lock()
         self._abandoned = False
         self.last_committed: SaveResult | None = None
         self.failed_saves = 0
@@ -291,9 +296,18 @@ class CheckpointManager:
 
         Its directory stays unfinished (never a checkpoint) and ``prepare`` removes it
         at the next start. A background writer may still be running; nothing waits for it.
+        A commit already under way in the upload thread finishes first: then the save
+        is a checkpoint after all (``last_committed``) and None is returned.
         """
         inflight, self._inflight = self._inflight, None
         if inflight is None:
+            return None
+        with self._commit_lock:
+            inflight.given_up = True
+        committed = inflight.committed
+        if committed is not None and committed.done() and committed.exception() is None:
+            # It was committed before it could be given up: it is a checkpoint.
+            self.last_committed = committed.result()
             return None
         self._abandoned = True
         self.record_failure(inflight.step, None, "given up unfinished" + (f": {why}" if why else ""))
@@ -335,11 +349,14 @@ class CheckpointManager:
         thread. ``poll`` hands the result over."""
         inflight.written = time.perf_counter()
         try:
-            if upload.exception() is None:
-                inflight.metadata = upload.result()
-                inflight.committed.set_result(self._commit(inflight, None))
-            else:
-                inflight.committed.set_exception(_NotCommitted("was not written"))
+            with self._commit_lock:
+                if inflight.given_up:
+                    inflight.committed.set_exception(_NotCommitted("was given up"))
+                elif upload.exception() is None:
+                    inflight.metadata = upload.result()
+                    inflight.committed.set_result(self._commit(inflight, None))
+                else:
+                    inflight.committed.set_exception(_NotCommitted("was not written"))
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             inflight.committed.set_exception(exc)
 
