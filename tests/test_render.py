@@ -90,8 +90,9 @@ def test_launch_files_follow_the_answers(tmp_path, default_project):
 
 @pytest.mark.slow
 def test_default_project_own_test_suite_passes(default_project):
+    # The generated suite with its slow tests: about half an hour on 2 quiet cores.
     proc = run_in(default_project, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                  "--run-slow")
+                  "--run-slow", timeout=3600)
     assert " passed" in proc.stdout
 
 

@@ -198,11 +198,12 @@ def test_the_guard_counts_failed_starts_without_progress_and_resets_on_a_checkpo
     assert guard.on_start(8, failed(1, 8)) == (1, None)
     assert guard.on_start(8, failed(1, 8)) == (1, None)     # the same start, counted once
     assert guard.on_start(8, {"kind": "killed", "attempt": "k"}) == (1, None)
-    assert guard.on_start(8, {"kind": "exit", "attempt": "e"}) == (1, None)
-    assert guard.on_start(8, failed(2, 8)) == (2, None)
+    assert guard.on_start(8, {"kind": "exit", "status": 75, "attempt": "e"}) == (1, None)
+    assert guard.on_start(8, {"kind": "exit", "status": 73, "attempt": "n",
+                              "summary": "saves failed", "newest_step": 8}) == (2, None)
     count, refusal = guard.on_start(8, failed(3, 8))
     assert count == 3 and "3 start(s) in a row failed" in refusal
-    assert "crash 1 | crash 2 | crash 3" in refusal and "progress.json" in refusal
+    assert "crash 1 | saves failed | crash 3" in refusal and "progress.json" in refusal
     assert guard.on_start(8, None)[1] is not None          # and every start after it
     assert guard.on_start(12, failed(4, 8)) == (0, None)   # it committed step 12 first
     assert guard.read() is None                             # no file while nothing is counted

@@ -4,13 +4,13 @@
 
 At each start rank 0 learns how the previous start ended (``exits.cause``, which also
 says what the newest committed checkpoint was when that start began) and counts it when
-it failed (a crash, a hang, a rank that died while the others recorded it) without
-committing a newer checkpoint. The count lives in this small file beside the
+it failed (a crash, a hang, a rank that died while the others recorded it, or exit 73:
+its saves failed) without committing a newer checkpoint. The count lives in this small file beside the
 checkpoints (through the Storage interface, so on an object store too), so it runs
 across in-place restarts by torchrun and new jobs from a scheduler alike. The file
 exists only while failures are being counted: the first start that finds a newer
-checkpoint removes it. Not counted: a start that ended with a status training decided
-(finished, preempted, not saved, ...), and one where every rank died without a word
+checkpoint removes it. Not counted: a start that ended with another status training
+decided (finished, preempted, refused, ...), and one where every rank died without a word
 (the machine or the whole job killed from outside, as a preemption without notice is).
 
 When ``recovery.max_attempts_without_progress`` failed starts are counted, the start
@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from .checkpoint.storage import Storage
+from .exit_codes import NOT_SAVED
 from .exits import FAILURES
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,11 @@ class ProgressGuard:
         """
         state = self.read()
         newest = -1 if newest_step is None else newest_step
-        failed = previous is not None and previous.get("kind") in FAILURES
+        failed = previous is not None and (
+            previous.get("kind") in FAILURES
+            # saves failed: a scheduler requeues it, and a storage that stays broken
+            # would have it requeued for ever
+            or (previous.get("kind") == "exit" and previous.get("status") == NOT_SAVED))
         if failed:
             # What was newest when that start began; unknown when it died before it
             # looked, and then it had no time to commit anything either.
