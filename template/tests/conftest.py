@@ -276,3 +276,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# ------------------------------------------------------------- S3 (moto) --
+
+def moto_s3(monkeypatch, bucket: str):
+    """Start a local moto S3 server holding ``bucket``, point every client's environment at
+    it, and return the server (the caller stops it)."""
+    server_mod = pytest.importorskip("moto.server")
+    fsspec = pytest.importorskip("fsspec")
+    pytest.importorskip("s3fs")
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    for key, value in {"AWS_ENDPOINT_URL": f"http://{host}:{port}",
+                       "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    fsspec.filesystem("s3", skip_instance_cache=True).mkdir(bucket)
+    return server

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import project_module, read_metrics, torchrun
+from conftest import moto_s3, project_module, read_metrics, torchrun
 
 fsspec = pytest.importorskip("fsspec")
 
@@ -71,16 +71,7 @@ def test_object_store_truncated_shard_is_skipped(ckpt, memory_store):
 @pytest.fixture
 def s3_bucket(monkeypatch):
     """A bucket on a local moto S3 server; the environment points every client at it."""
-    server_mod = pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    for key, value in {"AWS_ENDPOINT_URL": f"http://{host}:{port}",
-                       "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(key, value)
-    fsspec.filesystem("s3", skip_instance_cache=True).mkdir("ckpt-bucket")
+    server = moto_s3(monkeypatch, "ckpt-bucket")
     yield "s3://ckpt-bucket/run"
     server.stop()
 

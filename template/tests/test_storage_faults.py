@@ -21,7 +21,7 @@ from test_integrity import save_and_commit
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from conftest import project_module, run_module
+from conftest import moto_s3, project_module, run_module
 
 TRAIN = ["model.d_model=32", "model.n_layers=1", "train.max_steps=2"]
 
@@ -188,17 +188,7 @@ def test_a_full_disk_during_a_save_is_named(tmp_path, tmpfs, ckpt, monkeypatch):
 @pytest.fixture
 def s3_server(monkeypatch):
     """A local moto S3 server with one bucket; the environment points clients at it."""
-    server_mod = pytest.importorskip("moto.server")
-    fsspec = pytest.importorskip("fsspec")
-    pytest.importorskip("s3fs")
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    for key, value in {"AWS_ENDPOINT_URL": f"http://{host}:{port}",
-                       "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(key, value)
-    fsspec.filesystem("s3", skip_instance_cache=True).mkdir("probe-bucket")
+    server = moto_s3(monkeypatch, "probe-bucket")
     yield
     server.stop()
 

@@ -65,7 +65,7 @@ class NoticeSource(str, enum.Enum):
     azure = "azure"
 
 
-def _require(condition: bool, key: str, message: str, value: object) -> None:
+def require(condition: bool, key: str, message: str, value: object) -> None:
     if not condition:
         raise ConfigError(f"{key} {message} (got {value!r})")
 
@@ -85,20 +85,20 @@ class TrainConfig:
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.max_steps >= 1, "train.max_steps", "must be >= 1", self.max_steps)
-        _require(self.global_batch_size >= 1, "train.global_batch_size", "must be >= 1",
+        require(self.max_steps >= 1, "train.max_steps", "must be >= 1", self.max_steps)
+        require(self.global_batch_size >= 1, "train.global_batch_size", "must be >= 1",
                  self.global_batch_size)
-        _require(self.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1",
+        require(self.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1",
                  self.micro_batch_size)
-        _require(self.global_batch_size % self.micro_batch_size == 0, "train.global_batch_size",
+        require(self.global_batch_size % self.micro_batch_size == 0, "train.global_batch_size",
                  f"must be a multiple of train.micro_batch_size={self.micro_batch_size}",
                  self.global_batch_size)
-        _require(self.lr > 0, "train.lr", "must be > 0", self.lr)
-        _require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0", self.warmup_steps)
-        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]",
+        require(self.lr > 0, "train.lr", "must be > 0", self.lr)
+        require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0", self.warmup_steps)
+        require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]",
                  self.min_lr_ratio)
-        _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0", self.weight_decay)
-        _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)",
+        require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0", self.weight_decay)
+        require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)",
                  self.grad_clip)
 
 
@@ -108,7 +108,7 @@ class DistributedConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        _require(self.backend in ("auto", "gloo", "nccl"), "distributed.backend",
+        require(self.backend in ("auto", "gloo", "nccl"), "distributed.backend",
                  "must be auto, gloo or nccl", self.backend)
 
 
@@ -128,21 +128,21 @@ class CheckpointConfig:
     lease_wait_s: float = 60.0      # how long a start waits for a live lease to be released
 
     def __post_init__(self) -> None:
-        _require(bool(self.dir.strip()), "checkpoint.dir", "must not be empty", self.dir)
+        require(bool(self.dir.strip()), "checkpoint.dir", "must not be empty", self.dir)
         url = _URL.match(self.dir)
         if url:
-            _require(url.group(1) in ("file", *OBJECT_STORE_SCHEMES), "checkpoint.dir",
+            require(url.group(1) in ("file", *OBJECT_STORE_SCHEMES), "checkpoint.dir",
                      "must be a path, a file:// URL or an object-store URL with scheme "
                      f"{', '.join(s + '://' for s in OBJECT_STORE_SCHEMES)} (lower case)",
                      self.dir)
-        _require(self.interval_steps >= 1, "checkpoint.interval_steps", "must be >= 1",
+        require(self.interval_steps >= 1, "checkpoint.interval_steps", "must be >= 1",
                  self.interval_steps)
-        _require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", self.keep_last)
-        _require(self.max_failed_saves >= 1, "checkpoint.max_failed_saves", "must be >= 1",
+        require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", self.keep_last)
+        require(self.max_failed_saves >= 1, "checkpoint.max_failed_saves", "must be >= 1",
                  self.max_failed_saves)
         for key in ("wait_timeout_s", "start_timeout_s", "lease_stale_s", "lease_wait_s"):
             value = getattr(self, key)
-            _require(math.isfinite(value) and value > 0, f"checkpoint.{key}",
+            require(math.isfinite(value) and value > 0, f"checkpoint.{key}",
                      "must be a finite number of seconds > 0", value)
 
 
@@ -157,14 +157,14 @@ class PreemptionConfig:
 
     def __post_init__(self) -> None:
         for name in self.signals:
-            _require(isinstance(getattr(signal, str(name), None), signal.Signals),
+            require(isinstance(getattr(signal, str(name), None), signal.Signals),
                      "preemption.signals", "must name signals such as SIGTERM or SIGUSR1", name)
-            _require(name not in ("SIGKILL", "SIGSTOP"), "preemption.signals",
+            require(name not in ("SIGKILL", "SIGSTOP"), "preemption.signals",
                      "cannot include a signal that cannot be caught", name)
-        _require(math.isfinite(self.grace_period_s) and 0 < self.grace_period_s <= 86400,
+        require(math.isfinite(self.grace_period_s) and 0 < self.grace_period_s <= 86400,
                  "preemption.grace_period_s", "must be a finite number of seconds in (0, 86400]",
                  self.grace_period_s)
-        _require(3 <= self.exit_code <= 127
+        require(3 <= self.exit_code <= 127
                  and self.exit_code not in (exit_codes.NOT_SAVED, exit_codes.NO_PROGRESS,
                                             exit_codes.HUNG),
                  "preemption.exit_code",
@@ -173,9 +173,9 @@ class PreemptionConfig:
                  f"{exit_codes.NOT_SAVED} last state not saved, {exit_codes.NO_PROGRESS} no "
                  f"progress, {exit_codes.HUNG} a hung worker, 128+ killed by a signal)",
                  self.exit_code)
-        _require(self.poll_interval_s > 0, "preemption.poll_interval_s", "must be > 0",
+        require(self.poll_interval_s > 0, "preemption.poll_interval_s", "must be > 0",
                  self.poll_interval_s)
-        _require(self.metadata_url == "" or self.metadata_url.startswith(("http://", "https://")),
+        require(self.metadata_url == "" or self.metadata_url.startswith(("http://", "https://")),
                  "preemption.metadata_url",
                  "must be empty (the cloud's own address) or an http:// or https:// URL",
                  self.metadata_url)
@@ -195,16 +195,16 @@ class RecoveryConfig:
 
     def __post_init__(self) -> None:
         for key in ("max_restarts", "max_attempts_without_progress", "straggler_every_steps"):
-            _require(getattr(self, key) >= 0, f"recovery.{key}", "must be >= 0",
+            require(getattr(self, key) >= 0, f"recovery.{key}", "must be >= 0",
                      getattr(self, key))
-        _require(math.isfinite(self.step_timeout_s) and self.step_timeout_s >= 0,
+        require(math.isfinite(self.step_timeout_s) and self.step_timeout_s >= 0,
                  "recovery.step_timeout_s", "must be a finite number of seconds >= 0 "
                  "(0 = automatic)", self.step_timeout_s)
         for key in ("first_step_timeout_s", "collective_timeout_s"):
             value = getattr(self, key)
-            _require(math.isfinite(value) and value > 0, f"recovery.{key}",
+            require(math.isfinite(value) and value > 0, f"recovery.{key}",
                      "must be a finite number of seconds > 0", value)
-        _require(math.isfinite(self.straggler_ratio) and self.straggler_ratio > 1,
+        require(math.isfinite(self.straggler_ratio) and self.straggler_ratio > 1,
                  "recovery.straggler_ratio", "must be a finite number > 1", self.straggler_ratio)
 
 
@@ -214,7 +214,7 @@ class LogConfig:
     every_steps: int = 10
 
     def __post_init__(self) -> None:
-        _require(self.every_steps >= 1, "log.every_steps", "must be >= 1", self.every_steps)
+        require(self.every_steps >= 1, "log.every_steps", "must be >= 1", self.every_steps)
 
 
 @dataclass
@@ -229,19 +229,19 @@ class PlanConfig:
     crash_share: float = 0.5   # assumed share of interruptions that are crashes, not preemptions
 
     def __post_init__(self) -> None:
-        _require(math.isfinite(self.crash_share) and 0 <= self.crash_share <= 1,
+        require(math.isfinite(self.crash_share) and 0 <= self.crash_share <= 1,
                  "plan.crash_share", "must be a number between 0 and 1", self.crash_share)
         # NaN and ±inf are refused too (NaN fails every comparison; inf is not finite).
-        _require(math.isfinite(self.mtbi_hours) and self.mtbi_hours > 0, "plan.mtbi_hours",
+        require(math.isfinite(self.mtbi_hours) and self.mtbi_hours > 0, "plan.mtbi_hours",
                  "must be a finite number > 0 (hours)", self.mtbi_hours)
-        _require(math.isfinite(self.step_time_s) and self.step_time_s > 0, "plan.step_time_s",
+        require(math.isfinite(self.step_time_s) and self.step_time_s > 0, "plan.step_time_s",
                  "must be a finite number > 0 (seconds)", self.step_time_s)
-        _require(math.isfinite(self.checkpoint_save_s) and self.checkpoint_save_s >= 0,
+        require(math.isfinite(self.checkpoint_save_s) and self.checkpoint_save_s >= 0,
                  "plan.checkpoint_save_s", "must be a finite number >= 0 (seconds)",
                  self.checkpoint_save_s)
-        _require(math.isfinite(self.restart_s) and self.restart_s >= 0, "plan.restart_s",
+        require(math.isfinite(self.restart_s) and self.restart_s >= 0, "plan.restart_s",
                  "must be a finite number >= 0 (seconds)", self.restart_s)
-        _require(0 < self.badput_target_percent < 100, "plan.badput_target_percent",
+        require(0 < self.badput_target_percent < 100, "plan.badput_target_percent",
                  "must be a number between 0 and 100, exclusive (percent)",
                  self.badput_target_percent)
 

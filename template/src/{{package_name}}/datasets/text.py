@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from ..config import ConfigError
+from ..config import ConfigError, require
 
 _WORDS = (
     "the", "a", "one", "every", "some", "model", "rank", "shard", "node", "signal", "step",
@@ -34,12 +34,11 @@ class TextConfig:
     seq_len: int = 64
 
     def __post_init__(self) -> None:
-        if self.corpus_chars < 1000:
-            raise ConfigError(f"data.corpus_chars must be >= 1000 (got {self.corpus_chars!r})")
-        if self.seq_len < 2:
-            raise ConfigError(f"data.seq_len must be >= 2 (got {self.seq_len!r})")
-        if self.corpus and not Path(self.corpus).is_file():
-            raise ConfigError(f"data.corpus must be an existing file (got {self.corpus!r})")
+        require(self.corpus_chars >= 1000, "data.corpus_chars", "must be >= 1000",
+                self.corpus_chars)
+        require(self.seq_len >= 2, "data.seq_len", "must be >= 2", self.seq_len)
+        require(not self.corpus or Path(self.corpus).is_file(), "data.corpus",
+                "must be an existing file", self.corpus)
 
 
 def generate_corpus(n_chars: int, seed: int = 0) -> str:

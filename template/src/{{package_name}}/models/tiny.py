@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ConfigError
+from ..config import require
 
 VOCAB_SIZE = 256  # bytes
 
@@ -26,17 +26,12 @@ class TinyConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.d_model >= 1, "model.d_model", "must be >= 1", self.d_model),
-            (self.n_layers >= 1, "model.n_layers", "must be >= 1", self.n_layers),
-            (self.n_heads >= 1, "model.n_heads", "must be >= 1", self.n_heads),
-            (self.d_model % max(1, self.n_heads) == 0, "model.d_model",
-             f"must be a multiple of model.n_heads={self.n_heads}", self.d_model),
-            (0 <= self.dropout < 1, "model.dropout", "must be in [0, 1)", self.dropout),
-        ]
-        for ok, key, message, value in checks:
-            if not ok:
-                raise ConfigError(f"{key} {message} (got {value!r})")
+        require(self.d_model >= 1, "model.d_model", "must be >= 1", self.d_model)
+        require(self.n_layers >= 1, "model.n_layers", "must be >= 1", self.n_layers)
+        require(self.n_heads >= 1, "model.n_heads", "must be >= 1", self.n_heads)
+        require(self.d_model % max(1, self.n_heads) == 0, "model.d_model",
+                f"must be a multiple of model.n_heads={self.n_heads}", self.d_model)
+        require(0 <= self.dropout < 1, "model.dropout", "must be in [0, 1)", self.dropout)
 
 
 class Block(nn.Module):
