@@ -103,6 +103,8 @@ def expected_rows(plan: dict) -> dict[str, list[str]]:
         "B_min": [f2(plan["min_badput_percent"])],
         "N_max": [] if n_max is None else [str(n_max), f1(plan["max_interval_seconds_for_target"])],
         "2(target·M − δ)/T": [] if bound is None else [str(bound)],
+        "c": [g(i["crash_share"])],
+        "c(R − R_in)/M": [f2(plan["in_place_saving_percent"])],   # plan run with R_in = 0
     }
 
 
@@ -141,7 +143,8 @@ def project(request, tmp_path_factory):
                     "--step-seconds", repr(answers["step_time_seconds"]),
                     "--blocking-seconds", save, "--commit-latency-seconds", save,
                     "--restart-seconds", repr(answers["restart_seconds"]),
-                    "--badput-target-percent", repr(answers["badput_target_percent"]))
+                    "--badput-target-percent", repr(answers["badput_target_percent"]),
+                    "--in-place-restart-seconds", "0")
     assert proc.returncode == 0, proc.stderr
     checklist = (dst / "docs" / "CHECKLIST.md").read_text(encoding="utf-8")
     return {"dst": dst, "answers": answers, "package": package, "plan": json.loads(proc.stdout),
@@ -238,7 +241,7 @@ def test_copy_time_jinja_stays_in_the_template_repository(project):
 
 
 def test_plan_without_flags_reads_the_rendered_config(project):
-    proc = run_plan(project["dst"], project["package"], "--json")
+    proc = run_plan(project["dst"], project["package"], "--json", "--in-place-restart-seconds", "0")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == project["plan"]
 
@@ -366,6 +369,8 @@ def test_copy_time_formulas_equal_plan_model_on_random_answers():
             "badput_double_percent": out["badput_percent_at_double_interval"],
         }
         assert {name: getattr(got, name) for name in expected} == expected, answers
+        assert got.crash_share == plan.CRASH_SHARE
+        assert got.in_place_max_saving_percent == 100 * plan.in_place_saving(p.inputs, 0.0)
         if p.max_interval_steps is not None:
             kinds["reachable"] += 1
         elif p.target_window_seconds is None:

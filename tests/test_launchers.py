@@ -92,6 +92,39 @@ def test_kubernetes_file_is_valid_for_kubernetes(tmp_path, answers):
     assert f"docker build -t {container['image']} ." in dockerfile
 
 
+def pod_failure_action(policy: dict, exit_code: int, disrupted: bool = False) -> str:
+    """What the Job controller does with a failed pod: the first matching rule decides
+    (Kubernetes' podFailurePolicy); no match counts the failure against backoffLimit."""
+    for rule in policy["rules"]:
+        codes = rule.get("onExitCodes")
+        if codes and codes["containerName"] == "trainer":
+            inside = exit_code in codes["values"]
+            if inside == (codes["operator"] == "In"):
+                return rule["action"]
+        for condition in rule.get("onPodConditions", []):
+            if disrupted and condition["type"] == "DisruptionTarget":
+                return rule["action"]
+    return "Count"
+
+
+def test_pod_failure_policy_retries_stops_and_counts(project):
+    """75 and a disruption are retried for free; 2 and 79 fail the Job (never retried);
+    73 and crashes count against backoffLimit."""
+    policy = kubernetes_docs(project)["Job"]["spec"]["podFailurePolicy"]
+    assert pod_failure_action(policy, 75) == "Ignore"
+    assert pod_failure_action(policy, 137, disrupted=True) == "Ignore"
+    assert pod_failure_action(policy, 2) == pod_failure_action(policy, 79) == "FailJob"
+    assert pod_failure_action(policy, 79, disrupted=True) == "FailJob"
+    assert pod_failure_action(policy, 73) == pod_failure_action(policy, 1) == "Count"
+
+
+def test_skypilot_recovers_only_what_a_retry_can_fix(project):
+    recovery = yaml.safe_load((project / "launch/skypilot.yaml").read_text())["resources"][
+        "job_recovery"]
+    assert recovery["recover_on_exit_codes"] == [75, 73]
+    assert recovery["max_restarts_on_errors"] == 0   # so 2 and 79 end the managed job
+
+
 def test_volume_is_sized_from_the_checkpoint_estimate(project):
     pvc = kubernetes_docs(project)["PersistentVolumeClaim"]
     # keep_last 2 committed + 1 being written, 20 GB each = 60 GB = 55.9 GiB -> 56Gi.

@@ -57,14 +57,14 @@ def slow_storage(root: Path, delay_s: float):
 
 def main() -> None:
     mode, delay_s = sys.argv[1], float(sys.argv[2])
-    bench = _module("bench")
+    bench_loop = _module("bench_loop")
     config = _module("config")
     cfg = config.load_config(ROOT / "configs/train.yaml",
                              ["model.d_model=32", "model.n_layers=1",
                               f"checkpoint.async_mode={mode}"])
     runtime = _module("distributed").setup(cfg.distributed)
     task = _module("task_contract").load_task()
-    built = bench.build_state(cfg, task, runtime)
+    built = bench_loop.build_state(cfg, task, runtime)
     root = Path(tempfile.mkdtemp(prefix="slow-storage-"))
     manager = _module("checkpoint.manager").CheckpointManager(
         slow_storage(root / "ckpt", delay_s), mode=config.AsyncMode(mode), keep_last=5,
@@ -88,10 +88,10 @@ def main() -> None:
             "newest_step": newest.step if newest else None}
 
     # A training loop whose one save (at SAVE_STEP) is written while it trains on.
-    loop = bench._Loop(cfg, task, built, runtime)
-    policy = bench._policy(manager, built, SAVE_STEP)
-    steps = bench._run_steps(loop, policy, SAVE_STEP - 8, 40)
-    policy.finish(bench._Boundary())
+    loop = bench_loop.Loop(cfg, task, built, runtime)
+    policy = bench_loop.policy_for(manager, built, SAVE_STEP)
+    steps = bench_loop.run_steps(loop, policy, SAVE_STEP - 8, 40)
+    policy.finish(bench_loop.Boundary())
     last = manager.last_committed
     train = {"steps": steps, "committed_step": last.step if last else None,
              "commit_latency_s": last.commit_latency_s if last else None}

@@ -3,8 +3,10 @@
 Process-mode saves every 2 steps on a model whose saves take a few tenths of a second,
 so kills land before, during and after saves, while the checkpoint process starts, while
 a commit is written. After every kill: nothing torn (every committed checkpoint verifies),
-nothing lost (the newest committed step never goes back). At the end: every step any run
-logged is bit-identical to an uninterrupted run.
+nothing lost (the newest committed step never goes back). After the kills, one last run
+finishes the schedule: every step any run logged, and the final losses, are bit-identical
+to an uninterrupted run of the same configuration (the same train.max_steps: the learning
+rate's cosine depends on it, so a shorter reference would differ after the warm-up).
 """
 
 import os
@@ -17,20 +19,18 @@ import pytest
 from conftest import project_module, read_events, read_metrics, run_module, start, wait_until
 
 KILLS = int(os.environ.get("KILL_LOOP_KILLS", "100"))
+MAX_STEPS = int(os.environ.get("KILL_LOOP_STEPS", str(3 * KILLS)))  # well past what the kills reach
 MODEL = ["model.d_model=192", "model.n_layers=3", "model.dropout=0.1", "log.every_steps=1000",
-         "checkpoint.interval_steps=2", "checkpoint.keep_last=3", "train.max_steps=100000",
-         "checkpoint.async_mode=process"]
+         "train.micro_batch_size=16", "checkpoint.interval_steps=2", "checkpoint.keep_last=3",
+         f"train.max_steps={MAX_STEPS}", "checkpoint.async_mode=process"]
 
 
 def committed(storage) -> list[int]:
     return [c.step for c in project_module("checkpoint").list_committed(storage, warn=False)]
 
 
-# Opt-in (KILL_LOOP=1): about 10 minutes on a quiet 2-core machine, and the last run (100
-# kills, 0 torn, 0 lost) found losses after one resume differing from the uninterrupted run
-# by about 1e-7 from step 23 on: an open finding, not yet explained, so not a CI gate.
+# About 11 minutes on a quiet 2-core machine (KILL_LOOP_KILLS=10 for a quick look).
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("KILL_LOOP") != "1", reason="opt-in: KILL_LOOP=1")
 def test_a_hundred_sigkills_lose_nothing_and_tear_nothing(tmp_path):
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     args = [*MODEL, f"checkpoint.dir={ckpt}", f"log.dir={logs}"]
@@ -57,9 +57,13 @@ def test_a_hundred_sigkills_lose_nothing_and_tear_nothing(tmp_path):
         if steps and steps[-1] < newest:
             lost += 1
         newest = max(newest, steps[-1] if steps else 0)
+    # The kills are over: one last run, left alone, finishes the schedule.
+    finish_time = time.time()
+    finish = run_module("train", *args, timeout=1800)
+    assert f"finished at step {MAX_STEPS}" in finish.stdout + finish.stderr
     events = read_metrics(logs)
     save_times = [e["write_s"] for e in events if e["event"] == "save"]
-    reached = max(e["step"] for e in events if e["event"] == "step")
+    reached = max(e["step"] for e in events if e["event"] == "step" and e["time"] < finish_time)
     print(f"\nkill loop: {KILLS} kills, {torn} torn, {lost} lost, newest committed step "
           f"{newest}, highest step trained {reached}, {len(save_times)} saves committed "
           f"(write time median {sorted(save_times)[len(save_times) // 2] if save_times else 0:.2f}"
@@ -67,11 +71,13 @@ def test_a_hundred_sigkills_lose_nothing_and_tear_nothing(tmp_path):
     assert torn == 0 and lost == 0
     assert newest >= KILLS // 2 and len(save_times) >= KILLS // 4   # it saved and resumed
 
-    # The same steps, uninterrupted: every step any interrupted run logged matches it.
+    # The same schedule, uninterrupted and never saved: every step any run logged matches.
     ref_logs = tmp_path / "ref-logs"
-    run_module("train", *MODEL, f"train.max_steps={reached}", f"checkpoint.dir={tmp_path / 'ref'}",
-               f"log.dir={ref_logs}", "checkpoint.interval_steps=100000", timeout=1800)
+    run_module("train", *MODEL, f"checkpoint.dir={tmp_path / 'ref'}", f"log.dir={ref_logs}",
+               f"checkpoint.interval_steps={10 * MAX_STEPS}", timeout=1800)
     reference = {e["step"]: e["loss"] for e in read_metrics(ref_logs) if e["event"] == "step"}
+    assert len(reference) == MAX_STEPS
     logged = [(e["step"], e["loss"]) for e in events if e["event"] == "step"]
     different = [(step, loss, reference[step]) for step, loss in logged if loss != reference[step]]
-    assert not different, different[:5]
+    assert not different, f"{len(different)} of {len(logged)} logged steps differ: {different[:5]}"
+    assert max(step for step, _ in logged) == MAX_STEPS

@@ -28,9 +28,7 @@ them alike):
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import math
 import os
 import shutil
 import statistics
@@ -38,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,26 +50,20 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import exit_codes
+from .bench_loop import Built, Loop, agreed, build_state, measure_stall, measure_throughput
+from .bench_report import fmt, ratios, report_text, throughput_text
 from .checkpoint import CheckpointManager, LocalStorage
-from .checkpoint.policy import SavePolicy, Vote
-from .checkpoint.state import Progress, RankRNG, training_state
+from .checkpoint.planner import TrainingStatePlanner
 from .config import AsyncMode, Config, ConfigError, load_config
-from .distributed import Runtime, set_gradient_sync, setup, teardown, to_device, wrap_model
-from .metrics import MetricsLog
-from .sampling import split_global_batch
-from .task_contract import Task, load_task
+from .distributed import Runtime, setup, teardown
+from .task_contract import load_task
 
 
-class CountingPlanner(dcp.DefaultSavePlanner):
-    """Plan caching on, counting the saves whose local plan came from the cache."""
+class PlainDcpPlanner(TrainingStatePlanner):
+    """A plain ``dcp.save``'s planner: a class of its own, so that its cached plan and its
+    cache-hit count stay apart from the project's saves of the same state."""
 
     cache_hits = 0
-
-    def create_local_plan(self):
-        plan = super().create_local_plan()
-        if not plan.usable:  # "unchanged since the cached plan": nothing to send
-            CountingPlanner.cache_hits += 1
-        return plan
 
 
 def _timed(fn) -> float:
@@ -80,33 +72,6 @@ def _timed(fn) -> float:
     fn()
     dist.barrier()
     return time.perf_counter() - began
-
-
-class Built(NamedTuple):
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    progress: Progress
-    state: dict[str, Stateful]
-
-
-def build_state(cfg: Config, task: Task, runtime: Runtime) -> Built:
-    """The model and optimizer of this configuration after one optimizer step (so that
-    the optimizer state exists), and the state a checkpoint of them holds."""
-    torch.manual_seed(cfg.train.seed)
-    model = task.build_model(cfg)
-    model = wrap_model(model, task.shard_units(model), cfg, runtime)
-    optimizer, scheduler = task.build_optimizer(model, cfg)
-    dataset = task.build_data(cfg)
-    samples = [dataset[i % len(dataset)] for i in range(cfg.train.micro_batch_size)]
-    loss, _ = task.loss_and_metrics(model, to_device(task.collate(samples), runtime.device))
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    progress = Progress(step=1, samples_consumed=cfg.train.global_batch_size)
-    state = training_state(model, optimizer, scheduler, progress,
-                           RankRNG(runtime.rank, runtime.device))
-    return Built(model, optimizer, scheduler, progress, state)
 
 
 def _local_tensors(state: Any) -> list[torch.Tensor]:
@@ -155,160 +120,6 @@ def _any_rank(flag: bool) -> bool:
     tensor = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return bool(tensor.item())
-
-
-# ------------------------------------------------------------- a training loop --
-class _Boundary:
-    """The step-boundary collectives of the stop protocol (stop.StopCoordinator), with no
-    stop ever asked for: the loop pays for the same all-reduces as training does."""
-
-    requested = False
-
-    def vote(self, failed_saves: int = 0) -> Vote:
-        tensor = torch.tensor([math.inf, -float(failed_saves)], dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-        return Vote(None, int(-float(tensor[1])))
-
-    def any_rank(self, *flags: bool) -> tuple[bool, ...]:
-        tensor = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return tuple(bool(v) for v in tensor.tolist())
-
-
-class _Loop:
-    """The trainer's optimizer step (gradient accumulation, clipping, the staging wait
-    before the optimizer step, the loss all-reduce) on a few fixed micro-batches."""
-
-    def __init__(self, cfg: Config, task: Task, built: Built, runtime: Runtime) -> None:
-        self.cfg, self.task, self.built, self.runtime = cfg, task, built, runtime
-        self.split = split_global_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                                        runtime.world_size)
-        dataset = task.build_data(cfg)
-        n = cfg.train.micro_batch_size
-        offset = runtime.rank * n
-        self.batches = itertools.cycle([
-            to_device(task.collate([dataset[(offset + k * n * runtime.world_size + i)
-                                            % len(dataset)] for i in range(n)]),
-                      runtime.device) for k in range(4)])
-
-    def step(self, policy: SavePolicy | None) -> None:
-        model, optimizer = self.built.model, self.built.optimizer
-        model.train()
-        accum = self.split.grad_accum_steps
-        total = torch.zeros((), dtype=torch.float64, device=self.runtime.device)
-        for i in range(accum):
-            set_gradient_sync(model, self.cfg.distributed.parallelism, i == accum - 1)
-            loss, _ = self.task.loss_and_metrics(model, next(self.batches))
-            (loss / accum).backward()
-            total += loss.detach().to(torch.float64)
-        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        if policy is not None:
-            policy.before_optimizer_step()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if self.built.scheduler is not None:
-            self.built.scheduler.step()
-        if self.runtime.world_size > 1:
-            dist.all_reduce(total)
-        float(total)
-        self.built.progress.step += 1
-        self.built.progress.samples_consumed += self.split.global_batch_size
-
-
-NEVER = 10**9   # an interval no step of the benchmark reaches (step numbers stay above 0)
-
-
-def _policy(manager: CheckpointManager, built: Built, interval: int) -> SavePolicy:
-    return SavePolicy(manager, interval_steps=interval, final_step=-1,
-                      state=lambda: built.state,
-                      record=lambda: {"world_size": dist.get_world_size()},
-                      metrics=MetricsLog(None), wait_timeout_s=600, max_failed_in_a_row=10**9)
-
-
-def _run_steps(loop: _Loop, policy: SavePolicy, first: int, count: int) -> list[tuple[float, str]]:
-    """Train ``count`` steps numbered from ``first``; time each from the end of the step
-    before: the save policy's turn after that step (commit, vote, maybe a save), then
-    this step, whose forward and backward pass overlap the staging copy of a save just
-    started. Returns (seconds, "save" | "in_flight" | "clean") per step."""
-    boundary = _Boundary()
-    manager = policy.manager
-    steps = []
-    for step in range(first, first + count):
-        began = time.perf_counter()
-        was_in_flight = manager.in_flight
-        policy.maybe_save(step - 1, boundary)
-        loop.step(policy)
-        kind = "save" if policy.due(step - 1) else "in_flight" if was_in_flight else "clean"
-        steps.append((time.perf_counter() - began, kind))
-    return steps
-
-
-def measure_stall(loop: _Loop, manager: CheckpointManager, built: Built, saves: int,
-                  commit_s: float) -> dict[str, Any]:
-    """Steps that start a save against steps with no save in flight, in one loop.
-
-    The interval leaves each save time to commit before the next is due (from the
-    measured commit time and step time), so a save-starting step holds the save's own
-    cost, not a wait for the previous one, and some steps run with no save in flight.
-    """
-    warm = _run_steps(loop, _policy(manager, built, NEVER), 2, 3)
-    step_s = _agreed(statistics.median([s for s, _ in warm[1:]]))
-    # Twice the commit time measured alone: in the loop the writer shares the machine.
-    interval = max(3, math.ceil(2 * commit_s / max(step_s, 1e-6)) + 2)
-    policy = _policy(manager, built, interval)
-    steps = _run_steps(loop, policy, interval + 1, interval * saves)
-    policy.finish(_Boundary())
-    kinds = {kind: [s for s, k in steps if k == kind] for kind in ("save", "in_flight", "clean")}
-    med = {kind: statistics.median(v) if v else None for kind, v in kinds.items()}
-    stall = (med["save"] - med["clean"]) if med["save"] is not None and med["clean"] else None
-    return {"stall": stall, "interval": interval, "step_s": med,
-            "counts": {kind: len(v) for kind, v in kinds.items()},
-            "failed_saves": manager.failed_saves}
-
-
-def _agreed(value: float) -> float:
-    """Rank 0's value on every rank (decisions that change collectives must agree)."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-# ----------------------------------------------------------------- throughput --
-def measure_throughput(loop: _Loop, manager: CheckpointManager, built: Built, steps: int,
-                       interval: int, repeats: int, tokens_per_sample: int | None
-                       ) -> dict[str, Any]:
-    """The same number of steps without and with checkpointing, alternately; the ratio
-    of the median throughputs."""
-    rates: dict[str, list[float]] = {"without": [], "with": []}
-    _run_steps(loop, _policy(manager, built, NEVER), 2, 3)  # warm-up
-    base = interval * 10
-    saves_before = manager.failed_saves
-    for repeat in range(repeats):
-        # without, with, with, without, ...: a machine getting busier or quieter over
-        # the run moves both figures alike.
-        for kind in ("without", "with") if repeat % 2 == 0 else ("with", "without"):
-            policy = _policy(manager, built, interval if kind == "with" else NEVER)
-            # The first save comes half an interval in, so the phase holds whole saves.
-            first = base + interval - interval // 2 + 1
-            dist.barrier()
-            began = time.perf_counter()
-            _run_steps(loop, policy, first, steps)
-            dist.barrier()
-            elapsed = time.perf_counter() - began
-            manager.wait()   # the last save, if any, outside the timed phase
-            dist.barrier()
-            rates[kind].append(steps * loop.split.global_batch_size / elapsed)
-            base += interval * (steps // interval + 2)
-    samples = {kind: statistics.median(v) for kind, v in rates.items()}
-    return {
-        "train_steps": steps, "interval": interval, "repeats": repeats,
-        "samples_per_s": samples,
-        "tokens_per_s": ({k: v * tokens_per_sample for k, v in samples.items()}
-                         if tokens_per_sample else None),
-        "throughput_ratio": samples["with"] / samples["without"],
-        "failed_saves": manager.failed_saves - saves_before,
-    }
 
 
 # ---------------------------------------------------------------------- main --
@@ -374,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return exit_codes.BAD_INPUT
         warm_up_s = time.perf_counter() - began
-        loop = _Loop(cfg, task, built, runtime)
+        loop = Loop(cfg, task, built, runtime)
         if args.train_steps is not None:
             report = measure_throughput(
                 loop, manager, built, args.train_steps,
@@ -383,12 +194,12 @@ def main(argv: list[str] | None = None) -> int:
             manager.close()
             report = {"world_size": runtime.world_size, "mode": mode.value, **report}
             if runtime.is_main:
-                print(json.dumps(report) if args.json else _throughput_text(report))
+                print(json.dumps(report) if args.json else throughput_text(report))
             return 0
         report = _measure(args, cfg, runtime, root, manager, built, loop, mode)
         report["warm_up_s"] = warm_up_s
         if runtime.is_main:
-            print(json.dumps(report) if args.json else _report_text(report))
+            print(json.dumps(report) if args.json else report_text(report))
         return 0
     finally:
         if not args.dir and runtime.is_main:
@@ -397,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _measure(args: argparse.Namespace, cfg: Config, runtime: Runtime, root: Path,
-             manager: CheckpointManager, built: Built, loop: _Loop,
+             manager: CheckpointManager, built: Built, loop: Loop,
              mode: AsyncMode) -> dict[str, Any]:
     model, optimizer, state = built.model, built.optimizer, built.state
     say = print if runtime.is_main and not args.json else (lambda *a, **k: None)
@@ -454,11 +265,11 @@ def _measure(args: argparse.Namespace, cfg: Config, runtime: Runtime, root: Path
 
     def dcp_sync(i: int) -> None:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(root / f"dcp_{i}", sync_files=True),
-                 planner=CountingPlanner(enable_plan_caching=True))
+                 planner=PlainDcpPlanner(enable_plan_caching=True))
 
     measure("baseline", baseline)
     measure("dcp_sync", dcp_sync)
-    cache_hits = CountingPlanner.cache_hits
+    cache_hits = PlainDcpPlanner.cache_hits
 
     # -- this project's saves --------------------------------------------------------
     timings["async_blocking"], timings["async_commit"] = [], []
@@ -522,10 +333,10 @@ def _measure(args: argparse.Namespace, cfg: Config, runtime: Runtime, root: Path
         (lambda _: _drop_from_page_cache([baseline_file])) if runtime.is_main else None))
 
     # -- in a training loop ------------------------------------------------------------
-    commit_s = _agreed(statistics.median(timings["async_commit"]) if runtime.is_main else 0.0)
+    commit_s = agreed(statistics.median(timings["async_commit"]) if runtime.is_main else 0.0)
     loop_figures = measure_stall(loop, manager, built, args.repeats + 1, commit_s)
     timings["stall"] = [loop_figures["stall"]] if loop_figures["stall"] is not None else []
-    say(f"  {'stall':<15} {_fmt(loop_figures['stall'])} s (steps: {loop_figures['step_s']})")
+    say(f"  {'stall':<15} {fmt(loop_figures['stall'])} s (steps: {loop_figures['step_s']})")
 
     if not runtime.is_main:   # the saves' results and the report are rank 0's
         return {}
@@ -539,7 +350,7 @@ def _measure(args: argparse.Namespace, cfg: Config, runtime: Runtime, root: Path
         "state_bytes_rank0": local_bytes,
         "staging_bytes_per_rank": local_bytes,
         "median_s": med,
-        "ratios": _ratios(med),
+        "ratios": ratios(med),
         "first_save": first,
         "loop": loop_figures,
         "baseline_over_dcp_sync": med["baseline"] / med["dcp_sync"],
@@ -551,74 +362,6 @@ def _measure(args: argparse.Namespace, cfg: Config, runtime: Runtime, root: Path
         "staged_full": staged[1],
         "repeats": args.repeats,
     }
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _ratios(med: dict[str, float | None]) -> dict[str, float | None]:
-    """The ratios the targets are stated in (docs/PERFORMANCE.md)."""
-    return {
-        "baseline/blocking": _ratio(med["baseline"], med["async_blocking"]),
-        "blocking/copy_bound": _ratio(med["async_blocking"], med["copy_bound"]),
-        "commit/disk_bound": _ratio(med["async_commit"], med["disk_bound"]),
-        "load/read_bound": _ratio(med["load"], med["read_bound"]),
-        "stall/copy_bound": _ratio(med["stall"], med["copy_bound"]),
-    }
-
-
-def _fmt(value: float | None, spec: str = ".3f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def _report_text(r: dict) -> str:
-    med, first, loop = r["median_s"], r["first_save"], r["loop"]
-    rows = [
-        ("copy bound (host copy of the state)", "copy_bound"),
-        ("async: on the training path", "async_blocking"),
-        ("async: until committed", "async_commit"),
-        ("disk bound (raw parallel write)", "disk_bound"),
-        ("rank-0 gather + torch.save", "baseline"),
-        ("dcp.save (parallel shards)", "dcp_sync"),
-        ("load through the resume path", "load"),
-        ("  its checksum check (rank 0)", "verify"),
-        ("read bound (each rank its shard)", "read_bound"),
-        ("rank-0 torch.load + broadcast", "baseline_load"),
-        ("stall in the training loop", "stall"),
-    ]
-    lines = [(f"\ncheckpoint figures, median of {r['repeats']} ({r['world_size']} {r['device']} "
-              f"rank(s), {r['mode']} mode, {r['state_bytes_rank0'] / 2**20:.1f} MiB per rank):")]
-    lines += [f"  {label:<38} {_fmt(med[key]):>8} s" for label, key in rows]
-    lines.append("ratios:")
-    lines += [f"  {name:<24} {_fmt(value, '7.2f')}x" for name, value in r["ratios"].items()]
-    steps = loop["step_s"]
-    lines += [
-        (f"training loop: save every {loop['interval']} steps; median step "
-         f"{_fmt(steps['clean'])} s with no save in flight ({loop['counts']['clean']}), "
-         f"{_fmt(steps['save'])} s starting a save ({loop['counts']['save']}), "
-         f"{_fmt(steps['in_flight'])} s while one is written ({loop['counts']['in_flight']})"),
-        (f"warm-up: checkpoint process and staging buffers ready in {r['warm_up_s']:.2f} s; "
-         f"the first save then blocked {_fmt(first.get('blocking_s'))} s and committed after "
-         f"{_fmt(first.get('commit_s'))} s (later saves: {_fmt(med['async_blocking'])} s, "
-         f"{_fmt(med['async_commit'])} s)"),
-        (f"staging memory per rank {r['staging_bytes_per_rank'] / 2**20:.1f} MiB (held "
-         f"while a save is in flight); {r['staged_fast']} of {r['staged_fast'] + r['staged_full']}"
-         f" stagings reused the buffers' layout"),
-        (f"plan cache hits {r['plan_cache_hits']} of {r['plan_cache_possible']} timed "
-         f"dcp.save calls"),
-    ]
-    return "\n".join(lines)
-
-
-def _throughput_text(r: dict) -> str:
-    rate = r["samples_per_s"]
-    tokens = r["tokens_per_s"]
-    unit = (f"{tokens['without']:,.0f} -> {tokens['with']:,.0f} tokens/s" if tokens
-            else f"{rate['without']:.2f} -> {rate['with']:.2f} samples/s")
-    return (f"{r['train_steps']} steps without and with a save every {r['interval']} steps "
-            f"({r['world_size']} rank(s), {r['mode']} mode, median of {r['repeats']}): "
-            f"{unit}; throughput with checkpointing {r['throughput_ratio']:.3f}x of without")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import exit_codes
+from .plan_model import CRASH_SHARE
 
 DEFAULT_CONFIG = Path("configs/train.yaml")
 # checkpoint.dir may be a path, a file:// URL or an object-store URL with one of these
@@ -226,7 +227,7 @@ class PlanConfig:
     checkpoint_save_s: float = 10.0
     restart_s: float = 120.0
     badput_target_percent: float = 5.0
-    crash_share: float = 0.5   # assumed share of interruptions that are crashes, not preemptions
+    crash_share: float = CRASH_SHARE   # assumed share of interruptions that are crashes
 
     def __post_init__(self) -> None:
         require(math.isfinite(self.crash_share) and 0 <= self.crash_share <= 1,

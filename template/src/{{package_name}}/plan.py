@@ -20,12 +20,10 @@ from pathlib import Path
 from . import exit_codes
 from .config import DEFAULT_CONFIG, Config, ConfigError, load_config
 from .plan_model import Inputs, MetricsError, PlanInputError, badput, make_plan, read_metrics
+from .plan_plot import PLOT_SUFFIXES, PlotUnavailable, plot_badput
 from .plan_report import (
-    PLOT_SUFFIXES,
-    PlotUnavailable,
     checklist_language,
     format_plan,
-    plot_badput,
     render_measured_section,
     replace_measured_section,
     to_json,

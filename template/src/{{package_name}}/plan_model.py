@@ -56,6 +56,9 @@ class PlanInputError(ValueError):
         self.message = message
 
 
+CRASH_SHARE = 0.5  # assumed share of interruptions that are crashes (restarted in place)
+
+
 @dataclass(frozen=True)
 class Inputs:
     mtbi_hours: float
@@ -64,7 +67,7 @@ class Inputs:
     commit_latency_seconds: float
     restart_seconds: float
     badput_target_percent: float
-    crash_share: float = 0.5
+    crash_share: float = CRASH_SHARE
 
     @property
     def mtbi_seconds(self) -> float:

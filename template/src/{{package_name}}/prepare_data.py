@@ -21,6 +21,9 @@ Output: DIR/tokens_00000.bin, ... (flat numpy ``uint16`` when the vocabulary fit
 ``uint32``; a new file every ``--shard-tokens`` tokens) and DIR/index.json, written last.
 Exit status: 0 done, 2 bad input (an unreadable file, a tokenizer that cannot be loaded,
 a vocabulary that does not fit the dtype); nothing is left in DIR then.
+
+(Over 400 lines on purpose: reading documents, the tokenizer, the parallel encoding and
+the shard writer are one pipeline whose order and error handling read best in one place.)
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ metadata file once all shards are written, and only then commits. In ``process``
 ``thread`` mode, ``save`` returns as soon as the state is staged into host memory; the
 caller must call ``wait_staged`` before it changes parameters again (the optimizer
 step), and ``poll`` at every step so that a finished save is committed promptly.
+
+(A little over 400 lines: saving, committing and abandoning a save share the in-flight
+state and its lock, and are easiest to check side by side.)
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ..config import AsyncMode
 from . import layout
 from .background import start_checkpoint_process, stderr_to
 from .lease import Lease
+from .planner import TrainingStatePlanner
 from .staging import ReusingStager
 from .storage import Storage, describe_save_error
 
@@ -406,25 +410,6 @@ class CheckpointManager:
 
 class _NotCommitted(RuntimeError):
     """A written save could not be committed; the message says what happened to it."""
-
-
-class TrainingStatePlanner(dcp.DefaultSavePlanner):
-    """The save planner of the training state, with DCP's plan caching on.
-
-    DCP keeps one cached plan per planner class: the training state has this class to
-    itself, so a differently shaped save (the start-up save, an export) never evicts its
-    plan. ``cache_hits`` counts, in the process that plans (this one in ``thread`` and
-    ``sync`` mode, the checkpoint process in ``process`` mode), the saves whose local plan
-    came from the cache.
-    """
-
-    cache_hits = 0
-
-    def create_local_plan(self):
-        plan = super().create_local_plan()
-        if not plan.usable:  # DCP's mark for "unchanged since the cached plan"
-            TrainingStatePlanner.cache_hits += 1
-        return plan
 
 
 def _done_future() -> Future:
