@@ -9,6 +9,7 @@ in a process of its own, with DCP's checkpoint process in ``process`` mode.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import statistics
@@ -113,3 +114,52 @@ def test_the_save_plan_comes_from_the_cache_even_between_other_saves(tmp_path, m
                  planner=background._StartPlanner())
     manager.close()
     assert hits[1:] == [1, 1, 1], hits
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(u, v) for u, v in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
+def test_the_state_a_save_sees_is_always_a_fresh_walks():
+    """The names ``get_state_dict`` finds are reused between saves, yet every save sees
+    exactly what a fresh ``get_state_dict`` gives: new values, the scheduler's new
+    learning rate, and new tensors after a load."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    state_mod = project_module("checkpoint.state")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
+    adapter = state_mod.ModelAndOptimizer(model, optimizer)
+
+    def step() -> None:
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+    def check() -> None:
+        fresh_model, fresh_optim = get_state_dict(model, optimizer)
+        assert _same(adapter.state_dict(), {"model": fresh_model, "optim": fresh_optim})
+
+    step()
+    for _ in range(4):
+        check()
+        step()
+    assert adapter.reused == 3
+    loaded = copy.deepcopy(optimizer.state_dict())     # a load: new tensors, new values
+    for per_param in loaded["state"].values():
+        per_param["exp_avg"] += 1.0
+    optimizer.load_state_dict(loaded)
+    check()                                              # walked again, not reused
+    assert adapter.reused == 3
+    step()
+    check()
+    assert adapter.reused == 4
