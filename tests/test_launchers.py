@@ -108,21 +108,22 @@ def pod_failure_action(policy: dict, exit_code: int, disrupted: bool = False) ->
 
 
 def test_pod_failure_policy_retries_stops_and_counts(project):
-    """75 and a disruption are retried for free; 2 and 79 fail the Job (never retried);
-    73 and crashes count against backoffLimit."""
+    """75 and a disruption are retried for free; 79 fails the Job (never retried); 73,
+    2 (a lease not yet stale refuses too) and crashes count against backoffLimit."""
     policy = kubernetes_docs(project)["Job"]["spec"]["podFailurePolicy"]
     assert pod_failure_action(policy, 75) == "Ignore"
     assert pod_failure_action(policy, 137, disrupted=True) == "Ignore"
-    assert pod_failure_action(policy, 2) == pod_failure_action(policy, 79) == "FailJob"
+    assert pod_failure_action(policy, 79) == "FailJob"
     assert pod_failure_action(policy, 79, disrupted=True) == "FailJob"
     assert pod_failure_action(policy, 73) == pod_failure_action(policy, 1) == "Count"
+    assert pod_failure_action(policy, 2) == "Count"
 
 
 def test_skypilot_recovers_only_what_a_retry_can_fix(project):
     recovery = yaml.safe_load((project / "launch/skypilot.yaml").read_text())["resources"][
         "job_recovery"]
     assert recovery["recover_on_exit_codes"] == [75, 73]
-    assert recovery["max_restarts_on_errors"] == 0   # so 2 and 79 end the managed job
+    assert recovery["max_restarts_on_errors"] == 0   # so 79 ends the managed job
 
 
 def test_volume_is_sized_from_the_checkpoint_estimate(project):
