@@ -38,12 +38,12 @@ KIND = {"running": "lost", "hung": "hang", "crashed": "crash", "ended": "exit"}
 FAILURES = ("lost", "hang", "crash")
 
 
-def error_line(exc: BaseException, limit: int = 300) -> str:
+def error_line(exc: BaseException, limit: int | None = 300) -> str:
     """The exception's type and last line, e.g. ``RuntimeError: Connection closed by peer``
-    (cut at ``limit`` characters)."""
+    (cut at ``limit`` characters; None: whole). Without DCP's per-rank tracebacks."""
     text = str(exc).strip().splitlines()
     line = f"{type(exc).__name__}: {text[-1].strip() if text else ''}".rstrip(": ")
-    return line if len(line) <= limit else line[:limit - 3] + "..."
+    return line if limit is None or len(line) <= limit else line[:limit - 3] + "..."
 
 
 def signal_of(status: int | None) -> str | None:

@@ -29,6 +29,7 @@ from .checkpoint.policy import SavePolicy, SavesFailing
 from .checkpoint.state import Progress, RankRNG, training_state
 from .config import Config, OnSaveError, to_plain_dict
 from .distributed import Runtime, set_gradient_sync, to_device, wrap_model
+from .exits import error_line
 from .metrics import Event, MetricsLog
 from .sampling import GlobalBatchSampler, RankMicroBatches, split_global_batch
 from .stop import StopCoordinator
@@ -52,12 +53,6 @@ class IncompatibleCheckpoint(ValueError):
 
 class CheckpointUnusable(RuntimeError):
     """No checkpoint in checkpoint.dir can be loaded (or, strictly, not the newest)."""
-
-
-def describe_load_error(exc: BaseException) -> str:
-    """The first line of what went wrong, without DCP's per-rank tracebacks."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[-1] if text else ''}".rstrip(": ")
 
 
 @dataclass(frozen=True)
@@ -210,7 +205,7 @@ class Trainer:
         try:
             manager.load(self.state(with_rng=same_streams), checkpoint)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the caller falls back
-            return describe_load_error(exc)
+            return error_line(exc, limit=None)
         if not same_streams:
             torch.manual_seed(rank_seed(self.cfg.train.seed, self.progress.step,
                                         self.runtime.rank))

@@ -129,10 +129,8 @@ class CheckpointManager:
             return None
         try:
             if self._stager is not None and state is not None:  # buffers, cached by tensor
-                plain = {k: v.state_dict() if isinstance(v, Stateful) else v
-                         for k, v in state.items()}
-                staged = self._stager.stage(plain)
-                if isinstance(staged, Future):
+                staged = self._stage(state)
+                if staged is not None:
                     staged.result(timeout=timeout_s)
             if self.mode == AsyncMode.process:
                 with stderr_to(process_log):  # DCP's process logs at INFO to its stderr
@@ -151,10 +149,14 @@ class CheckpointManager:
         """
         if self._stager is None or self._inflight is not None or self._prestaging is not None:
             return
+        self._prestaging = self._stage(state)
+
+    def _stage(self, state: dict[str, Any]) -> Future | None:
+        """Copy ``state`` into the staging buffers (allocating them the first time); the
+        copy's Future when it runs in the background."""
         plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
         staged = self._stager.stage(plain)
-        if isinstance(staged, Future):
-            self._prestaging = staged
+        return staged if isinstance(staged, Future) else None
 
     @property
     def abandoned(self) -> bool:
