@@ -87,11 +87,6 @@ def _local_tensors(state: Any) -> list[torch.Tensor]:
     return []
 
 
-def _local_bytes(state: dict) -> int:
-    """Bytes of tensor data this rank holds (what staging copies into host memory)."""
-    return sum(t.numel() * t.element_size() for t in _local_tensors(state))
-
-
 def _drop_from_page_cache(paths: list[Path]) -> None:
     """Evict files from this machine's page cache, so that a read comes from the storage."""
     for path in paths:
