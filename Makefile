@@ -1,22 +1,30 @@
-# Two set-up commands for contributors; each installs what it needs into .venv.
-#   make demo   render the template with defaults and run the interruption drill on CPU
-#   make test   run the whole test suite (template tests + every generated project's tests)
+# Set-up commands for contributors; each installs what it needs into .venv.
+#   make demo        render the template with defaults and run the interruption drill on CPU
+#                    (installs only what the drill needs)
+#   make check       the inner loop: lint, then the fast tests (under 5 minutes on 2 cores)
+#   make test        the whole test suite: template tests + every generated project's tests
+#   make gpu-check   the GPU tier of a default render (exit 0 with the reason without CUDA)
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DEMO   ?= .scratch/demo
 
-.PHONY: demo test lint venv clean
+.PHONY: demo check test gpu-check lint venv venv-demo clean
 
 venv: $(VENV)/.installed
+venv-demo: $(VENV)/.demo-installed
 
 # torch first and on its own: the pinned release is the CPU build this machine class
 # serves from a local file. pip is left as the system ships it (a newer pip was seen to
 # pick the multi-GB CUDA build of the same version instead).
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.demo-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[demo]'
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.demo-installed
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -c "import torch; print('torch', torch.__version__)"
 	touch $@
@@ -24,18 +32,34 @@ $(VENV)/.installed: pyproject.toml
 test: venv
 	$(PY) -m pytest tests
 
+# Lint, then every test not marked slow: the template's own checks and the quick part
+# of a default render's own suite (test_render.py::test_default_project_fast_tier_passes).
+check: venv lint
+	$(PY) -m pytest -q -m "not slow" tests
+
 lint: venv
 	$(VENV)/bin/ruff check tests template --exclude '*.jinja'
 
 # The demo renders the template with defaults and runs the interruption drill on CPU:
 # an uninterrupted 2-rank run, the same run killed with SIGKILL after the checkpoint of
 # step 12, a resume on 1 rank, and a step-by-step comparison; then prints the report.
-demo: venv
+demo: venv-demo
 	rm -rf $(DEMO)
 	$(VENV)/bin/copier copy --defaults --quiet --vcs-ref HEAD . $(DEMO)   # the working tree, not the newest tag
 	cd $(DEMO) && PYTHONPATH=src $(abspath $(PY)) -m my_run.drill --save-ranks 2 \
 		--resume-ranks 1 --out drill; status=$$?; \
 		[ -f drill/report.md ] && cat drill/report.md; exit $$status
+
+# The GPU tier (docs/PERFORMANCE.md of a render lists its steps): a default render's
+# tests marked gpu. GPU_PYTHON is the interpreter whose torch has CUDA (on a GPU image,
+# usually python3; it needs the project's dependencies: omegaconf, and transformers for
+# the export step); by default the venv's, which skips every step without CUDA.
+GPU_PYTHON ?= $(abspath $(PY))
+gpu-check: venv-demo
+	rm -rf .scratch/gpu
+	$(VENV)/bin/copier copy --defaults --quiet --vcs-ref HEAD . .scratch/gpu
+	cd .scratch/gpu && PYTHONPATH=src $(GPU_PYTHON) -m pytest -p no:cacheprovider -q -rs \
+		-m gpu tests/test_gpu.py
 
 clean:
 	rm -rf $(VENV) .scratch

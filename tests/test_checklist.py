@@ -4,7 +4,7 @@ copier runs no code, so includes/plan.jinja repeats the plan model's formulas in
 Jinja for the copy-time checklist and configs/train.yaml. These tests hold the two
 copies together: full renders of a few answer sets (English and Chinese, reachable
 and unreachable targets) compared with `python -m <package>.plan --json`, and the
-Jinja expressions against the plan_model module on many random answers.
+Jinja expressions against the interval.formulas module on many random answers.
 """
 
 from __future__ import annotations
@@ -302,18 +302,18 @@ def test_write_refreshes_the_rendered_checklist_in_its_language(project, tmp_pat
     path.write_text(before, encoding="utf-8")  # leave the module's project as rendered
 
 
-# ------------------------------------------- includes/plan.jinja against plan_model ----
+# ------------------------------------------- includes/plan.jinja against interval.formulas
 
 
 def load_plan_modules():
-    """plan_model and plan_report, imported as modules of the (unrendered) package."""
+    """interval.formulas and interval.report, imported as modules of the (unrendered) package."""
     spec = importlib.util.spec_from_file_location(
         "template_pkg", PACKAGE_DIR / "__init__.py", submodule_search_locations=[str(PACKAGE_DIR)])
     package = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = package  # dataclasses look their module up while the class is made
     spec.loader.exec_module(package)
-    return (importlib.import_module("template_pkg.plan_model"),
-            importlib.import_module("template_pkg.plan_report"))
+    return (importlib.import_module("template_pkg.interval.formulas"),
+            importlib.import_module("template_pkg.interval.report"))
 
 
 def copy_time_plan():
@@ -409,7 +409,7 @@ def test_grace_period_longer_than_the_notice_is_flagged(tmp_path, language):
 def test_notice_windows_are_the_generated_packages():
     """includes/clouds.jinja (copy time) and preemption.NOTICE_WINDOW_S (run time) agree."""
     load_plan_modules()  # registers the unrendered package as template_pkg
-    preemption = importlib.import_module("template_pkg.preemption")
+    preemption = importlib.import_module("template_pkg.preemption.watch")
     env = SandboxedEnvironment(loader=FileSystemLoader(str(REPO)))
     windows = env.get_template("includes/clouds.jinja").make_module({}).notice_window_seconds
     assert {source.value: seconds for source, seconds in preemption.NOTICE_WINDOW_S.items()} \

@@ -83,11 +83,18 @@ def test_launch_files_follow_the_answers(tmp_path, default_project):
     sky = yaml.safe_load((project / "launch/skypilot.yaml").read_text())
     assert sky["resources"]["use_spot"] is True and "spot_trainer.resume" in sky["run"]
     # The copy-time figure is the one the generated launcher computes at run time.
-    probe = ("from spot_trainer.config import load_config; from spot_trainer.launch import "
+    probe = ("from spot_trainer.config import load_config; from spot_trainer.launch.command import "
              "shutdown_timeout_s; print(shutdown_timeout_s(load_config().preemption))")
     assert run_in(project, "-c", probe).stdout.strip() == "75"
     dockerfile = (project / "Dockerfile").read_text()
     assert '"spot_trainer.resume"' in dockerfile
+
+
+def test_default_project_fast_tier_passes(default_project):
+    """The generated suite without its slow tests (make check's share of it)."""
+    proc = run_in(default_project, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                  timeout=900)
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
 
 
 @pytest.mark.slow

@@ -33,10 +33,10 @@ def snapshot_template(dst: Path) -> Path:
     return dst
 
 
-def committed_then_working_template(dst: Path) -> Path:
-    """The template as committed at HEAD, tagged v1.0.0, then the working tree, v2.0.0."""
+def committed_then_working_template(dst: Path, base: str = "HEAD") -> Path:
+    """The template as committed at ``base``, tagged v1.0.0, then the working tree, v2.0.0."""
     dst.mkdir()
-    archive = subprocess.run(["git", "archive", "--format=tar", "HEAD"], cwd=REPO, check=True,
+    archive = subprocess.run(["git", "archive", "--format=tar", base], cwd=REPO, check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dst)], input=archive, check=True)
     git(dst, "init", "-q")
@@ -197,7 +197,7 @@ def test_update_keeps_the_users_task_while_the_harness_changes(tmp_path):
     git(project, "commit", "-qam", "my task")
 
     harness = template / "template/src/{{package_name}}"
-    for name, line in (("trainer.py", "# Harness change in 1.1: the loop.\n"),
+    for name, line in (("loop/trainer.py", "# Harness change in 1.1: the loop.\n"),
                        ("checkpoint/manager.py", "# Harness change in 1.1: the manager.\n"),
                        ("task.py", "# The default task changed in 1.1.\n")):
         path = harness / name
@@ -207,7 +207,7 @@ def test_update_keeps_the_users_task_while_the_harness_changes(tmp_path):
 
     run_update(str(project), defaults=True, overwrite=True, quiet=True, unsafe=False)
 
-    assert "Harness change in 1.1: the loop." in (src / "trainer.py").read_text()
+    assert "Harness change in 1.1: the loop." in (src / "loop/trainer.py").read_text()
     assert "Harness change in 1.1: the manager." in (src / "checkpoint/manager.py").read_text()
     assert task.read_text() == users_task          # the user's file, never overwritten
     assert "nn.SiLU()" in tiny.read_text() and "d_model: 48" in config.read_text()
@@ -221,3 +221,61 @@ def test_update_keeps_the_users_task_while_the_harness_changes(tmp_path):
                   "checkpoint.async_mode=sync", f"checkpoint.dir={tmp_path / 'ck'}",
                   f"log.dir={tmp_path / 'logs'}")
     assert "finished at step 2" in proc.stdout and "| accuracy " in proc.stdout
+
+
+# The last commit before the package was reorganised into folders (CHANGELOG, Unreleased):
+# projects rendered from it must update to today's layout.
+BEFORE_FOLDERS = "6d2ca9d"
+
+
+def test_update_across_the_reorganisation_keeps_the_task_and_the_loader_setting(tmp_path):
+    """A project rendered before the modules moved into folders, with the user's own
+    task.py (the old ``build_model(cfg)`` signature), ``data.num_workers`` set in its
+    config and a patched harness module, updates with no conflict and then trains.
+
+    What becomes of the patch is what the CHANGELOG says: copier deletes the old module,
+    the edit included, and the new module does not have it; the project's git history
+    keeps it, to carry across by hand.
+    """
+    template = committed_then_working_template(tmp_path / "template", base=BEFORE_FOLDERS)
+    project = tmp_path / "project"
+    run_copy(str(template), str(project), defaults=True, vcs_ref="v1.0.0", quiet=True)
+    git(project, "init", "-q")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "generated")
+    package = package_of(project)
+    src = project / "src" / package
+    task = src / "task.py"
+    assert "def build_model(cfg: Config) -> nn.Module:" in task.read_text()  # the old signature
+    users_task = task.read_text().replace(
+        "    return loss, {}",
+        "    accuracy = (logits.argmax(-1) == targets).float().mean()\n"
+        "    return loss, {\"accuracy\": accuracy}")
+    task.write_text(users_task)
+    config = project / "configs/train.yaml"
+    assert "  num_workers: 0\n" in config.read_text()
+    config.write_text(config.read_text().replace("  num_workers: 0\n", "  num_workers: 1\n"))
+    trainer = src / "trainer.py"
+    trainer.write_text(trainer.read_text() + "\n# my local patch\n")
+    git(project, "commit", "-qam", "my task, my loader, my patch")
+
+    run_update(str(project), defaults=True, overwrite=True, quiet=True, unsafe=False)
+
+    assert task.read_text() == users_task          # the user's file, never overwritten
+    assert not trainer.exists()                    # moved: the old path is gone...
+    assert "# my local patch" not in (src / "loop/trainer.py").read_text()  # ...and the edit
+    assert "# my local patch" in git(project, "show", f"HEAD:src/{package}/trainer.py")
+    for path in project.rglob("*"):
+        if path.is_file() and ".git" not in path.parts:
+            text = path.read_text(errors="replace")
+            assert "<<<<<<<" not in text and ">>>>>>>" not in text, path
+        assert not path.name.endswith(".rej"), path
+    settings = yaml.safe_load(config.read_text())
+    assert settings["data"].get("num_workers", settings.get("loader", {}).get("num_workers")) == 1
+
+    proc = run_in(project, "-m", f"{package}.train", "train.max_steps=2", "log.every_steps=1",
+                  "checkpoint.async_mode=sync", f"checkpoint.dir={tmp_path / 'ck'}",
+                  f"log.dir={tmp_path / 'logs'}", "model.d_model=32")
+    assert "finished at step 2" in proc.stdout and "| accuracy " in proc.stdout
+    if "num_workers" in settings["data"]:          # the old key still works, with a notice
+        assert "notice: data.num_workers is now loader.num_workers" in proc.stderr

@@ -53,7 +53,7 @@ def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
     """
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
     config = project_module("config").load_config(ROOT / "configs/train.yaml", overrides)
-    return project_module("launch").torchrun_command(
+    return project_module("launch.command").torchrun_command(
         module, list(args), config.preemption, nproc_per_node=nproc,
         max_restarts=config.recovery.max_restarts)
 
@@ -71,13 +71,27 @@ def torchrun(nproc: int, module: str, *args: str, cwd: Path = ROOT, timeout: flo
 
 def read_metrics(log_dir: Path) -> list[dict]:
     """Every event in ``log_dir/metrics.jsonl``, read by the project's own reader."""
-    return project_module("metrics").read_events(log_dir)[0]
+    return project_module("runtime.metrics").read_events(log_dir)[0]
 
 
 @pytest.fixture
 def run_dirs(tmp_path: Path) -> dict[str, str]:
     """Checkpoint and log directories of a throwaway run, as key=value overrides."""
     return {"ckpt": str(tmp_path / "ckpt"), "logs": str(tmp_path / "logs")}
+
+
+def overrides_for(*base: str):
+    """A test file's ``overrides(dirs, *extra)``: its ``base`` settings, then the
+    checkpoint.dir and log.dir of ``dirs`` (a ``run_dirs``), then ``extra``."""
+    def overrides(dirs: dict[str, str], *extra: str) -> list[str]:
+        return [*base, f"checkpoint.dir={dirs['ckpt']}", f"log.dir={dirs['logs']}", *extra]
+    return overrides
+
+
+@pytest.fixture
+def ckpt():
+    """The commit protocol's modules: (checkpoint.layout, checkpoint.storage)."""
+    return project_module("checkpoint.layout"), project_module("checkpoint.storage")
 
 
 # ------------------------------------------------------- long-running jobs --
@@ -145,7 +159,75 @@ def finish(proc: subprocess.Popen, timeout: float) -> int:
 
 def read_events(log_dir: Path, kind: str) -> list[dict]:
     """The events of one kind in ``metrics.jsonl`` (empty while the file does not exist)."""
-    return project_module("metrics").read_events(log_dir, kind)[0]
+    return project_module("runtime.metrics").read_events(log_dir, kind)[0]
+
+
+# ------------------------------------------------------ processes, from /proc --
+# Linux only, like the tests that use them.
+
+def parents() -> dict[int, int]:
+    """Every process's parent: {pid: parent pid}."""
+    table = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            table[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue  # exited meanwhile
+    return table
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid``."""
+    return [child for child, parent in parents().items() if parent == pid]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: children, grandchildren, ..."""
+    table = parents()
+
+    def below(p: int) -> bool:
+        while p > 1:
+            p = table.get(p, 0)
+            if p == pid:
+                return True
+        return False
+
+    return [p for p in table if below(p)]
+
+
+def cmdline(pid: int) -> bytes:
+    """The command line of ``pid`` (NUL-separated), or b"" once it has exited."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def rank_of(pid: int) -> str | None:
+    """The RANK in the environment of ``pid`` (a torchrun worker), or None."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in environ:
+        if item.startswith(b"RANK="):
+            return item[5:].decode()
+    return None
+
+
+def forked_children(pid: int) -> list[int]:
+    """Children of ``pid`` forked from it (same command line): its DataLoader workers.
+    DCP's checkpoint process is spawned, with a command line of its own."""
+    return [child for child in children(pid) if cmdline(child) == cmdline(pid)]
+
+
+def gone(pid: int) -> bool:
+    """Exited: no longer listed, or a zombie waiting for its parent to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(errors="replace")
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 # ----------------------------------------------------- fake metadata service --

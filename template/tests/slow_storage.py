@@ -57,25 +57,37 @@ def slow_storage(root: Path, delay_s: float):
 
 def main() -> None:
     mode, delay_s = sys.argv[1], float(sys.argv[2])
-    bench_loop = _module("bench_loop")
+    root = Path(tempfile.mkdtemp(prefix="slow-storage-"))
     config = _module("config")
     cfg = config.load_config(ROOT / "configs/train.yaml",
                              ["model.d_model=32", "model.n_layers=1",
-                              f"checkpoint.async_mode={mode}"])
-    runtime = _module("distributed").setup(cfg.distributed)
-    task = _module("task_contract").load_task()
-    built = bench_loop.build_state(cfg, task, runtime)
-    root = Path(tempfile.mkdtemp(prefix="slow-storage-"))
+                              f"checkpoint.async_mode={mode}", "train.max_steps=1000000000",
+                              f"log.dir={root / 'logs'}"])
+    distributed = _module("runtime.distributed")
+    runtime = distributed.setup(cfg.distributed.backend)
     manager = _module("checkpoint.manager").CheckpointManager(
         slow_storage(root / "ckpt", delay_s), mode=config.AsyncMode(mode), keep_last=5,
         is_coordinator=True, device=runtime.device)
     manager.prepare()
-    failure = manager.warm_up(built.state, 120, str(root / "checkpoint-process.log"))
+    # The project's trainer and checkpointer, saving through the slow storage.
+    metrics = _module("runtime.metrics").MetricsLog(None)
+    watch = _module("preemption.watch").PreemptionWatch(cfg.preemption.signals)
+    stop = _module("preemption.stop").StopCoordinator(watch, runtime, metrics, 30.0)
+    checkpointer = _module("checkpoint").Checkpointer(cfg, runtime, metrics, stop, manager,
+                                                      None, None, None)
+    trainer = _module("loop.trainer").Trainer(cfg, _module("loop.task_contract").load_task(),
+                                              runtime, checkpointer, metrics)
+    trainer.resume()
+    batches = trainer.micro_batches()
+    checkpointer.save(0)                   # the start: the checkpoint process
+    trainer.train_step(batches)            # the optimizer has state now
+    state = trainer.state()
+    failure = manager.warm_up(state, 120, str(root / "checkpoint-process.log"))
     assert failure is None, failure
 
     # One save: how long the call and the staging take, whether it is committed yet.
     began = time.perf_counter()
-    manager.save(1, built.state, "interval", {"world_size": 1})
+    manager.save(1, state, "interval", {"world_size": 1})
     call_s = time.perf_counter() - began
     manager.wait_staged()
     blocking_s = time.perf_counter() - began
@@ -87,14 +99,15 @@ def main() -> None:
             "commit_latency_s": result.commit_latency_s if result else None,
             "newest_step": newest.step if newest else None}
 
-    # A training loop whose one save (at SAVE_STEP) is written while it trains on.
-    loop = bench_loop.Loop(cfg, task, built, runtime)
-    policy = bench_loop.policy_for(manager, built, SAVE_STEP)
-    steps = bench_loop.run_steps(loop, policy, SAVE_STEP - 8, 40)
-    policy.finish(bench_loop.Boundary())
+    # The training loop, whose one save (at SAVE_STEP) is written while it trains on.
+    bench_loop = _module("tools.bench_loop")
+    checkpointer.policy.interval_steps = SAVE_STEP
+    steps = bench_loop.run_steps(bench_loop.Bench(trainer, checkpointer, batches),
+                                 SAVE_STEP - 8, 40)
+    checkpointer.policy.finish(stop)
     last = manager.last_committed
     train = {"steps": steps, "committed_step": last.step if last else None,
              "commit_latency_s": last.commit_latency_s if last else None}
-    _module("distributed").teardown()
+    distributed.teardown()
     shutil.rmtree(root, ignore_errors=True)
     print(json.dumps({"mode": mode, "delay_s": delay_s, "save": save, "train": train}))

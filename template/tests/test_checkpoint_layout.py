@@ -6,15 +6,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import project_module
-
-
-@pytest.fixture
-def ckpt():
-    layout = project_module("checkpoint.layout")
-    storage = project_module("checkpoint.storage")
-    return layout, storage
-
 
 def fake_save(root, layout, step, storage):
     """A real (one-process) DCP save into the staging directory: a shard and .metadata."""

@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import (
     ROOT,
+    children,
     finish,
+    forked_children,
     project_module,
     read_events,
     run_module,
@@ -48,7 +49,7 @@ def token_dir(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("tokens")
     corpus = project_module("datasets").generate_corpus(100_000)
     (base / "corpus.txt").write_text(corpus.replace(". ", ".\n\n"))  # sentences as documents
-    code = project_module("prepare_data").main(["--input", str(base / "corpus.txt"),
+    code = project_module("tools.prepare_data").main(["--input", str(base / "corpus.txt"),
                                                 "--tokenizer", "bytes", "--out",
                                                 str(base / "tok")])
     assert code == 0
@@ -76,7 +77,7 @@ def test_bad_model_configuration_is_refused_naming_the_key(token_dir, override, 
     cfg = config(*LLAMA, *data(token_dir), override)
     error = project_module("config").ConfigError
     with pytest.raises(error, match=re.escape(fragment)):
-        project_module("task").build_model(cfg)
+        project_module("loop.task_contract").load_task().build_model(cfg)
 
 
 def test_vocabulary_mismatch_stops_training_with_exit_2(token_dir, tmp_path):
@@ -89,10 +90,10 @@ def test_vocabulary_mismatch_stops_training_with_exit_2(token_dir, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="bf16 is allowed with CUDA")
 def test_bf16_without_cuda_is_refused_naming_the_key():
-    distributed = project_module("distributed")
+    distributed = project_module("runtime.distributed")
     runtime = distributed.Runtime(0, 1, 0, torch.device("cpu"), "gloo")
     with pytest.raises(project_module("config").ConfigError, match="train.precision=bf16 needs CUDA"):
-        distributed.wrap_model(torch.nn.Linear(2, 2), [], config("train.precision=bf16"), runtime)
+        project_module("loop.parallelize").wrap_model(torch.nn.Linear(2, 2), [], config("train.precision=bf16"), runtime)
 
 
 def test_pretrained_weights_load_at_the_first_start_only(token_dir, tmp_path, caplog):
@@ -104,29 +105,26 @@ def test_pretrained_weights_load_at_the_first_start_only(token_dir, tmp_path, ca
                  f"checkpoint.dir={tmp_path / 'ckpt'}")
     expected = pretrained.state_dict()
     task = project_module("task")
+    context = project_module("config").TaskContext
     caplog.set_level(logging.INFO)
-    first = task.build_model(cfg).state_dict()
+    first = task.build_model(cfg, context(first_start=True)).state_dict()
     assert all(torch.equal(first[k], expected[k]) for k in expected)
     assert "loading pretrained weights" in caplog.text
 
-    # Once a checkpoint is committed, the model is built from config.json alone: the
-    # resume loads the checkpoint's weights, never the pretrained ones again.
-    layout = project_module("checkpoint.layout")
-    storage = project_module("checkpoint").open_storage(str(tmp_path / "ckpt"))
-    dcp.save({"w": torch.zeros(1)}, storage_writer=storage.writer(layout.staging_name(3, storage)),
-             no_dist=True)
-    layout.commit(storage, 3, {"world_size": 1})
+    # Once a checkpoint is committed (the harness says: not the first start), the model is
+    # built from config.json alone: the resume loads the checkpoint's weights, never the
+    # pretrained ones again.
     caplog.clear()
-    again = task.build_model(cfg).state_dict()
+    again = task.build_model(cfg, context(first_start=False)).state_dict()
     assert not torch.equal(again["model.layers.0.mlp.up_proj.weight"],
                            expected["model.layers.0.mlp.up_proj.weight"])
     assert "loading pretrained weights" not in caplog.text
 
 
 def test_activation_checkpointing_recomputes_and_changes_no_name_or_number(token_dir):
-    distributed = project_module("distributed")
+    distributed = project_module("runtime.distributed")
     runtime = distributed.Runtime(0, 1, 0, torch.device("cpu"), "gloo")
-    task = project_module("task_contract").load_task()
+    task = project_module("loop.task_contract").load_task()
     batch = torch.utils.data.default_collate([task.build_data(config(*data(token_dir)))[i]
                                               for i in range(2)])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -140,7 +138,7 @@ def test_activation_checkpointing_recomputes_and_changes_no_name_or_number(token
             layer = model.model.layers[0]
             original = layer.forward
             layer.forward = lambda *a, _f=original, _c=calls, **k: _c.append(1) or _f(*a, **k)
-            model = distributed.wrap_model(model, task.shard_units(model), cfg, runtime)
+            model = project_module("loop.parallelize").wrap_model(model, task.shard_units(model), cfg, runtime)
             loss, _ = task.loss_and_metrics(model, batch)
             loss.backward()
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
@@ -160,9 +158,12 @@ def test_tiny_model_needs_no_transformers(tmp_path):
         "    sys.modules[name] = None  # import fails as if not installed\n"
         f"from {project_module('task').__package__} import config, export, prepare_data, task\n"
         f"cfg = config.load_config({CONFIG!r}, ['checkpoint.dir={tmp_path}'])\n"
-        "print(type(task.build_model(cfg)).__name__)\n"
+        "from importlib import import_module\n"
+        "build_model = import_module(task.__package__ + '.loop.task_contract').load_task()"
+        ".build_model\n"
+        "print(type(build_model(cfg)).__name__)\n"
         "try:\n"
-        "    task.build_model(config.load_config("
+        "    build_model(config.load_config("
         f"{CONFIG!r}, ['model.kind=hf', 'model.config_class=LlamaConfig']))\n"
         "except config.ConfigError as exc:\n"
         "    print(exc)\n")
@@ -181,7 +182,7 @@ def drill(token_dir: Path, out: Path, save: int, resume: int) -> dict:
     # written changes no number (the default task's drill test covers that mode).
     proc = run_module("drill", "--save-ranks", str(save), "--resume-ranks", str(resume),
                       "--steps", str(DRILL_STEPS), "--out", str(out), *LLAMA,
-                      *data(token_dir, "data.num_workers=2"), "checkpoint.async_mode=sync",
+                      *data(token_dir, "loader.num_workers=2"), "checkpoint.async_mode=sync",
                       "checkpoint.keep_last=4", timeout=900, check=False)
     report = json.loads((out / "report.json").read_text())
     assert proc.returncode == 0 and report["passed"], f"{report['verdict']}\n{proc.stdout}"
@@ -219,7 +220,7 @@ def test_same_llama_checkpoint_resumed_on_two_ranks_is_bit_identical(drill_two_t
     name = project_module("checkpoint").step_name(DRILL_STEPS // 2)
     shutil.copytree(drill_two_to_one / "interrupted" / "checkpoints" / name,
                     tmp_path / "ckpt" / name)
-    run_module("resume", "--nproc-per-node", "2", *LLAMA, *data(token_dir, "data.num_workers=2"),
+    run_module("resume", "--nproc-per-node", "2", *LLAMA, *data(token_dir, "loader.num_workers=2"),
                f"train.max_steps={DRILL_STEPS}", "checkpoint.async_mode=sync",
                f"checkpoint.dir={tmp_path / 'ckpt'}", f"log.dir={tmp_path / 'logs'}",
                timeout=600)
@@ -229,39 +230,16 @@ def test_same_llama_checkpoint_resumed_on_two_ranks_is_bit_identical(drill_two_t
     assert resumed == {step: reference[step] for step in resumed}  # losses, grad norms equal
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, ValueError):
-            continue  # exited meanwhile
-    return found
-
-
 def training_processes(resume_pid: int) -> list[int]:
     """The ranks' processes: children of torchrun, the child of resume."""
     return [rank for torchrun in children(resume_pid) for rank in children(torchrun)]
-
-
-def forked_children(pid: int) -> list[int]:
-    """Children of ``pid`` forked from it (same command line): its DataLoader workers.
-    DCP's checkpoint process is spawned, with a command line of its own."""
-    def cmdline(p: int) -> bytes:
-        try:
-            return Path(f"/proc/{p}/cmdline").read_bytes()
-        except OSError:
-            return b""
-
-    return [child for child in children(pid) if cmdline(child) == cmdline(pid)]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_sigterm_with_dataloader_workers_commits_a_final_checkpoint(token_dir, tmp_path):
     logs, ckpt, log_file = tmp_path / "logs", tmp_path / "ckpt", tmp_path / "job.log"
-    args = [*LLAMA, *data(token_dir, "data.num_workers=2"), "train.max_steps=300",
+    args = [*LLAMA, *data(token_dir, "loader.num_workers=2"), "train.max_steps=300",
             "checkpoint.interval_steps=4", f"preemption.grace_period_s={GRACE:g}",
             f"checkpoint.dir={ckpt}", f"log.dir={logs}"]
     proc = start("resume", "--nproc-per-node", "2", *args, log_file=log_file)
@@ -324,7 +302,7 @@ def test_export_hf_loads_with_from_pretrained_and_gives_the_trained_logits(
     newest_resumed = project_module("checkpoint").newest_complete_checkpoint(
         project_module("checkpoint").open_storage(str(resumed)))
     assert newest_resumed.world_size == 1
-    export = project_module("export")
+    export = project_module("tools.export")
     assert export.main([newest_resumed.path, "--format", "hf", "--out", str(tmp_path / "sh"),
                         "--max-shard-size", "200KB", "--config", CONFIG]) == 0
     index = json.loads((tmp_path / "sh" / "model.safetensors.index.json").read_text())

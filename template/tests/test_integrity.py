@@ -14,11 +14,6 @@ import torch.distributed.checkpoint as dcp
 from conftest import project_module, read_events, run_module
 
 
-@pytest.fixture
-def ckpt():
-    return project_module("checkpoint.layout"), project_module("checkpoint.storage")
-
-
 def save_and_commit(storage, layout, step: int, numel: int = 4096) -> Path:
     """A real one-process DCP save (a shard and .metadata), committed."""
     work = layout.staging_name(step, storage)
@@ -120,7 +115,7 @@ def test_commit_without_checksums_is_accepted_with_a_note(tmp_path, ckpt, caplog
 
 def verify(capsys, *args: str) -> tuple[int, str, str]:
     """``python -m <package>.verify args`` in this process: (exit status, stdout, stderr)."""
-    code = project_module("verify").main(list(args))
+    code = project_module("tools.verify").main(list(args))
     out, err = capsys.readouterr()
     return code, out, err
 

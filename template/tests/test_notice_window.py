@@ -7,7 +7,7 @@ import pytest
 from conftest import project_module
 
 config = project_module("config")
-preemption = project_module("preemption")
+preemption = project_module("preemption.watch")
 
 
 @pytest.mark.parametrize("source, grace, expected", [

@@ -13,16 +13,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import moto_s3, project_module, read_metrics, torchrun
+from conftest import moto_s3, read_metrics, torchrun
 
 fsspec = pytest.importorskip("fsspec")
-
-
-@pytest.fixture
-def ckpt():
-    layout = project_module("checkpoint.layout")
-    storage = project_module("checkpoint.storage")
-    return layout, storage
 
 
 @pytest.fixture

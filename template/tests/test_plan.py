@@ -19,17 +19,17 @@ DEFAULTS = (8.0, 2.0, 10.0, 10.0, 120.0, 5.0)  # M (h), T, δ, L, R (s), target 
 
 @pytest.fixture(scope="module")
 def plan():
-    return project_module("plan")
+    return project_module("interval.command")
 
 
 @pytest.fixture(scope="module")
 def model():
-    return project_module("plan_model")
+    return project_module("interval.formulas")
 
 
 @pytest.fixture(scope="module")
 def report():
-    return project_module("plan_report")
+    return project_module("interval.report")
 
 
 @pytest.fixture

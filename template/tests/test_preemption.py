@@ -27,7 +27,9 @@ import torch
 
 from conftest import (
     ROOT,
+    children,
     finish,
+    overrides_for,
     project_module,
     read_events,
     read_metrics,
@@ -46,15 +48,13 @@ EXIT_PREEMPTED = project_module("config").load_config(ROOT / "configs/train.yaml
 NOTICE_SOURCE = {"aws": "aws-notice", "gcp": "gcp-notice", "azure": "azure-notice"}
 
 
-def overrides(dirs: dict[str, str], *extra: str) -> list[str]:
-    return [*SMALL, f"checkpoint.dir={dirs['ckpt']}", f"log.dir={dirs['logs']}",
-            f"train.max_steps={MAX_STEPS}", "checkpoint.interval_steps=4",
-            "checkpoint.async_mode=process", f"preemption.grace_period_s={GRACE:g}", *extra]
+overrides = overrides_for(*SMALL, f"train.max_steps={MAX_STEPS}", "checkpoint.interval_steps=4",
+                          "checkpoint.async_mode=process", f"preemption.grace_period_s={GRACE:g}")
 
 
 @pytest.fixture
 def preemption():
-    return project_module("preemption")
+    return project_module("preemption.watch")
 
 
 def storage_of(dirs: dict[str, str]):
@@ -142,7 +142,7 @@ def test_torchrun_command_forwards_preemption_signals_and_outwaits_the_grace():
     config = project_module("config").load_config(
         ROOT / "configs/train.yaml", ["preemption.grace_period_s=45.5",
                                       "preemption.signals=[SIGTERM,SIGUSR2]"])
-    cmd = project_module("launch").torchrun_command("train", [], config.preemption,
+    cmd = project_module("launch.command").torchrun_command("train", [], config.preemption,
                                                     nproc_per_node=2,
                                                     max_restarts=config.recovery.max_restarts)
     handled = next(a for a in cmd if a.startswith("--signals-to-handle=")).split("=")[1]
@@ -302,16 +302,9 @@ def test_signal_to_torchrun_at_a_seeded_moment(run_dirs, tmp_path, sig, seed, ag
 
 def worker_pids(parent: int) -> list[int]:
     """The direct children of ``parent`` (torchrun's workers), from /proc."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited meanwhile
-        if int(fields[1]) == parent:
-            children.append(int(stat.parent.name))
-    assert children, f"no workers under pid {parent}"
-    return children
+    workers = children(parent)
+    assert workers, f"no workers under pid {parent}"
+    return workers
 
 
 def test_single_process_exits_preempted_on_sigterm_after_finishing_the_save_in_flight(

@@ -22,10 +22,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PACKAGE, ROOT, finish, project_module, read_events, wait_until
+from conftest import (
+    PACKAGE,
+    ROOT,
+    cmdline,
+    descendants,
+    finish,
+    project_module,
+    rank_of,
+    read_events,
+    wait_until,
+)
 
-exit_codes = project_module("exit_codes")
-exits = project_module("exits")
+exit_codes = project_module("runtime.exit_codes")
+exits = project_module("recovery.attempts")
 SMALL = ["model.d_model=32", "model.n_layers=1", "model.dropout=0.1", "log.every_steps=1000",
          "train.global_batch_size=16", "train.micro_batch_size=2",
          "checkpoint.async_mode=sync", "checkpoint.interval_steps=4"]
@@ -67,30 +77,8 @@ def start_resume(root: Path, base: Path, *args: str, env: dict[str, str] | None 
 
 def worker(resume_pid: int, rank: int) -> int:
     """The pid of the training worker of ``rank`` below ``resume_pid`` (via /proc)."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int(
-                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-
-    def below(pid: int) -> bool:
-        while pid > 1:
-            pid = parents.get(pid, 0)
-            if pid == resume_pid:
-                return True
-        return False
-
-    for pid in parents:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if below(pid) and f"{PACKAGE}.train".encode() in cmdline and \
-                f"RANK={rank}".encode() in environ:
+    for pid in descendants(resume_pid):
+        if f"{PACKAGE}.train".encode() in cmdline(pid) and rank_of(pid) == str(rank):
             return pid
     raise AssertionError(f"no worker of rank {rank} below pid {resume_pid}")
 
@@ -107,7 +95,7 @@ def losses(logs: Path) -> dict[int, set[float]]:
 # ------------------------------------------------------------ fast checks --
 def test_torchrun_command_restarts_in_place_with_a_fresh_store_per_attempt():
     config = project_module("config").load_config(ROOT / "configs/train.yaml")
-    launch = project_module("launch")
+    launch = project_module("launch.command")
     cmd = launch.torchrun_command("train", [], config.preemption, nproc_per_node=2,
                                   max_restarts=config.recovery.max_restarts)
     assert f"--max-restarts={config.recovery.max_restarts}" in cmd
@@ -133,7 +121,7 @@ def test_bad_recovery_settings_are_refused(override, message):
 def test_watchdog_dumps_every_stack_and_exits_hung(capfd):
     exited: list[int] = []
     hangs: list[tuple] = []
-    watchdog = project_module("watchdog").StepWatchdog(
+    watchdog = project_module("recovery.watchdog").StepWatchdog(
         rank=3, step_timeout_s=0.3, first_step_timeout_s=0.3,
         on_hang=lambda *args: hangs.append(args), exit=exited.append)
     watchdog.start(7)
@@ -151,7 +139,7 @@ def test_watchdog_dumps_every_stack_and_exits_hung(capfd):
 
 
 def test_watchdog_bounds_first_steps_and_then_follows_the_step_time():
-    watchdog = project_module("watchdog")
+    watchdog = project_module("recovery.watchdog")
     dog = watchdog.StepWatchdog(rank=0, step_timeout_s=0, first_step_timeout_s=600)
     assert dog.timeout_s() == 600                      # the first step
     for step in range(1, watchdog.AUTO_AFTER_STEPS):
@@ -188,7 +176,7 @@ def test_the_cause_names_the_rank_that_died_without_a_word():
 
 def test_the_guard_counts_failed_starts_without_progress_and_resets_on_a_checkpoint(tmp_path):
     storage = project_module("checkpoint").LocalStorage(tmp_path)
-    guard = project_module("progress_guard").ProgressGuard(storage, limit=3)
+    guard = project_module("recovery.progress_guard").ProgressGuard(storage, limit=3)
 
     def failed(n: int, newest_at_start: int) -> dict:
         return {"kind": "crash", "attempt": f"a{n}", "summary": f"crash {n}",
@@ -207,20 +195,20 @@ def test_the_guard_counts_failed_starts_without_progress_and_resets_on_a_checkpo
     assert guard.on_start(8, None)[1] is not None          # and every start after it
     assert guard.on_start(12, failed(4, 8)) == (0, None)   # it committed step 12 first
     assert guard.read() is None                             # no file while nothing is counted
-    off = project_module("progress_guard").ProgressGuard(storage, limit=0)
+    off = project_module("recovery.progress_guard").ProgressGuard(storage, limit=0)
     for n in range(5):
         assert off.on_start(12, failed(10 + n, 12))[1] is None
 
 
 def test_stragglers_must_be_slower_by_the_ratio_and_cost_a_share_of_the_step():
-    find = project_module("stragglers").find_stragglers
+    find = project_module("recovery.stragglers").find_stragglers
     assert find([0.002, 0.210, 0.002, 0.003], step_s=0.25, ratio=1.5) == [1]
     assert find([0.002, 0.005], step_s=0.25, ratio=1.5) == []   # 2.5x, but 1 % of a step
     assert find([0.10, 0.12], step_s=0.3, ratio=1.5) == []       # 20 % apart: not 1.5x
 
 
 def test_the_plan_tells_in_place_restarts_from_reschedules(tmp_path, capsys):
-    model = project_module("plan_model")
+    model = project_module("interval.formulas")
     inputs = model.Inputs(8, 2, 10, 10, 120, 5, crash_share=0.25)
     plan = model.make_plan(inputs, in_place_restart_seconds=12)
     # Written from the formula, not from plan_model: S = c(R - R_in)/M.
@@ -238,7 +226,7 @@ def test_the_plan_tells_in_place_restarts_from_reschedules(tmp_path, capsys):
     metrics.write_text("".join(json.dumps(e) + "\n" for e in events))
     measured = model.read_metrics(metrics)
     assert (measured.in_place_restart_seconds, measured.in_place_restart_count) == (9.0, 3)
-    code = project_module("plan").main(["--metrics", str(metrics), "--json", "--mtbi-hours",
+    code = project_module("interval.command").main(["--metrics", str(metrics), "--json", "--mtbi-hours",
                                         "8", "--restart-seconds", "120", "--crash-share", "0.5",
                                         "--badput-target-percent", "5"])
     got = json.loads(capsys.readouterr().out)
@@ -248,7 +236,7 @@ def test_the_plan_tells_in_place_restarts_from_reschedules(tmp_path, capsys):
 
 
 def test_resume_passes_the_do_not_retry_status_through(tmp_path):
-    resume, config = project_module("resume"), project_module("config")
+    resume, config = project_module("launch.supervisor"), project_module("config")
     storage = project_module("checkpoint").LocalStorage(tmp_path)
     code = resume.exit_status(1, storage, None, config.PreemptionConfig(), [],
                               training_status=(exit_codes.NO_PROGRESS, "no progress"))

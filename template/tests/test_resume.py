@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import ROOT, project_module, read_metrics, run_module, torchrun
+from conftest import ROOT, gone, project_module, read_metrics, run_module, torchrun
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
 STEPS, RESUME_AT = 8, 4
@@ -64,7 +64,7 @@ def last_run(log_dir: Path) -> tuple[dict, dict[int, dict]]:
 
 
 def dry_run(capsys, *args: str) -> tuple[int, str, str]:
-    code = project_module("resume").main(["--config", CONFIG, "--dry-run", *args])
+    code = project_module("launch.supervisor").main(["--config", CONFIG, "--dry-run", *args])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -114,7 +114,7 @@ def test_resume_on_another_world_size_continues_the_run(reference, tmp_path, sav
     proc = resume_from(reference(saved), tmp_path, resumed, "model.dropout=0")
     assert "random streams reseeded" in proc.stdout
     start, after = last_run(tmp_path / "logs")
-    accum = project_module("sampling").split_global_batch(16, 2, resumed).grad_accum_steps
+    accum = project_module("loop.sampling").split_global_batch(16, 2, resumed).grad_accum_steps
     assert (start["step"], start["saved_world_size"]) == (RESUME_AT, saved)
     assert (start["world_size"], start["grad_accum_steps"]) == (resumed, accum)
     _, ref = last_run(reference(saved) / "logs")
@@ -178,7 +178,7 @@ def test_world_size_that_cannot_keep_the_global_batch_is_refused(tmp_path, capsy
 ])
 def test_bad_arguments_are_refused(capsys, args, message):
     with pytest.raises(SystemExit) as info:
-        project_module("resume").main(args)
+        project_module("launch.supervisor").main(args)
     assert info.value.code == 2 and message in capsys.readouterr().err
 
 
@@ -251,7 +251,7 @@ def prepared_checkpoint(root: Path, step: int, reason: str) -> Path:
 ])
 def test_resume_forwards_signals_and_tells_preemption_from_failure(
         tmp_path, mode, sig, old_preemption, expected):
-    resume = project_module("resume")
+    resume = project_module("launch.supervisor")
     config = project_module("config")
     (tmp_path / "ckpt").mkdir()
     storage = project_module("checkpoint.storage").LocalStorage(tmp_path / "ckpt")
@@ -277,7 +277,7 @@ def test_resume_forwards_signals_and_tells_preemption_from_failure(
 
 # ------------------------------------------------------------------- drill --
 def drill_main(tmp_path: Path, capsys, *args: str) -> tuple[int, str]:
-    code = project_module("drill").main(["--config", CONFIG, "--out", str(tmp_path / "out"), *args])
+    code = project_module("tools.drill").main(["--config", CONFIG, "--out", str(tmp_path / "out"), *args])
     return code, capsys.readouterr().err
 
 
@@ -303,7 +303,7 @@ def test_drill_refuses_zero_ranks(tmp_path, capsys):
 
 
 def test_drill_replaces_only_what_a_drill_wrote(tmp_path, capsys):
-    drill = project_module("drill")
+    drill = project_module("tools.drill")
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
@@ -318,15 +318,6 @@ def test_drill_replaces_only_what_a_drill_wrote(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == [".drill", "notes.txt"]
 
 
-def _gone(pid: int) -> bool:
-    """Exited: no longer listed, or a zombie waiting for init to reap it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text(errors="replace")
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_kill_tree_reaches_processes_in_other_sessions():
     # Like torchrun's workers: the grandchild runs in a session of its own, out of reach
@@ -336,16 +327,16 @@ def test_kill_tree_reaches_processes_in_other_sessions():
              "print(p.pid, flush=True); time.sleep(60)")
     child = subprocess.Popen([sys.executable, "-c", spawn], stdout=subprocess.PIPE, text=True)
     grandchild = int(child.stdout.readline())
-    assert project_module("drill").kill_tree(child.pid) == 2
+    assert project_module("tools.drill").kill_tree(child.pid) == 2
     assert child.wait(timeout=10) == -signal.SIGKILL
     deadline = time.monotonic() + 10
-    while not _gone(grandchild) and time.monotonic() < deadline:
+    while not gone(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _gone(grandchild)
+    assert gone(grandchild)
 
 
 def test_drill_verdict_needs_exact_equality_on_the_same_world_size():
-    report = project_module("drill_report")
+    report = project_module("tools.drill_report")
 
     def run(losses):
         return {s: {"loss": v, "grad_norm": 1.0} for s, v in losses.items()}

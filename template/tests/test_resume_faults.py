@@ -7,15 +7,15 @@ what differs, exit status 2, no traceback.
 
 from pathlib import Path
 
-from conftest import read_events, run_module
+from conftest import overrides_for, read_events, run_module
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "log.every_steps=2",
          "checkpoint.async_mode=sync", "checkpoint.interval_steps=2"]
+overrides = overrides_for(*SMALL)
 
 
 def run(dirs, *extra, check=True):
-    return run_module("train", *SMALL, f"checkpoint.dir={dirs['ckpt']}",
-                      f"log.dir={dirs['logs']}", *extra, check=check)
+    return run_module("train", *overrides(dirs, *extra), check=check)
 
 
 def garble_metadata(step_dir: Path) -> None:

@@ -25,11 +25,6 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-@pytest.fixture
-def ckpt():
-    return project_module("checkpoint.layout"), project_module("checkpoint.storage")
-
-
 def test_real_metadata_is_read_and_a_crafted_one_refused(tmp_path, ckpt):
     layout, storage_mod = ckpt
     safe_load = project_module("checkpoint.safe_load")

@@ -10,7 +10,7 @@ from conftest import project_module
 
 @pytest.fixture
 def sampling():
-    return project_module("sampling")
+    return project_module("loop.sampling")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])

@@ -17,52 +17,34 @@ from pathlib import Path
 
 import pytest
 
-from conftest import finish, project_module, read_events, run_module, start, torchrun, wait_until
+from conftest import (
+    cmdline,
+    descendants,
+    finish,
+    overrides_for,
+    project_module,
+    rank_of,
+    read_events,
+    run_module,
+    start,
+    torchrun,
+    wait_until,
+)
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "log.every_steps=2"]
-EXIT_NOT_SAVED = project_module("exit_codes").NOT_SAVED
+EXIT_NOT_SAVED = project_module("runtime.exit_codes").NOT_SAVED
 
 
-def overrides(dirs, *extra):
-    return [*SMALL, f"checkpoint.dir={dirs['ckpt']}", f"log.dir={dirs['logs']}", *extra]
+overrides = overrides_for(*SMALL)
 
 
 # ------------------------------------------------ a checkpoint process that dies --
-def _rank_of(pid: int) -> str | None:
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for item in environ:
-        if item.startswith(b"RANK="):
-            return item[5:].decode()
-    return None
-
-
 def _checkpoint_processes(job: int, rank: str) -> list[int]:
     """DCP's background checkpoint processes of one rank of the job started as ``job``
     (spawned descendants of that rank's worker)."""
-    parents, cmdlines = {}, {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdlines[int(entry.name)] = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-
-    def in_job(pid: int) -> bool:
-        while pid > 1:
-            if pid == job:
-                return True
-            pid = parents.get(pid, 0)
-        return False
-
-    return [pid for pid, cmdline in cmdlines.items()
-            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline
-            and _rank_of(pid) == rank and in_job(pid)]
+    return [pid for pid in descendants(job)
+            if b"spawn_main" in (line := cmdline(pid)) and b"resource_tracker" not in line
+            and rank_of(pid) == rank]
 
 
 @pytest.mark.slow

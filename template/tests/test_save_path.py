@@ -100,7 +100,7 @@ def test_the_save_plan_comes_from_the_cache_even_between_other_saves(tmp_path, m
     manager.prepare()
     progress = {"step": 0}
     state = {"w": torch.randn(64, 8), "b": torch.zeros(8), "progress": progress}
-    planner = project_module("checkpoint.planner").TrainingStatePlanner
+    planner = project_module("checkpoint.dcp_planner").TrainingStatePlanner
     hits = []
     for step in range(1, 5):
         state["progress"]["step"] = step

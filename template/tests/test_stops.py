@@ -13,15 +13,26 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PACKAGE, finish, project_module, read_events, run_module, start, wait_until
+from conftest import (
+    PACKAGE,
+    children,
+    cmdline,
+    finish,
+    gone,
+    overrides_for,
+    project_module,
+    read_events,
+    run_module,
+    start,
+    wait_until,
+)
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "log.every_steps=1000",
          "train.max_steps=100000", "checkpoint.interval_steps=5"]
-INTERRUPTED = project_module("exit_codes").INTERRUPTED
+INTERRUPTED = project_module("runtime.exit_codes").INTERRUPTED
 
 
-def overrides(dirs, *extra):
-    return [*SMALL, f"checkpoint.dir={dirs['ckpt']}", f"log.dir={dirs['logs']}", *extra]
+overrides = overrides_for(*SMALL)
 
 
 def committed(dirs) -> list[int]:
@@ -63,43 +74,20 @@ def test_a_second_ctrl_c_exits_at_once_without_the_final_save(run_dirs, tmp_path
     assert committed(run_dirs)[-1] in before or committed(run_dirs)[-1] == before[-1]
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and \
-                    f"{PACKAGE}.train".encode() in cmdline:
-                found.append(int(entry.name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.slow
 def test_workers_stop_when_their_torchrun_dies(run_dirs, tmp_path):
     log = tmp_path / "job.log"
     proc = start("train", *overrides(run_dirs), log_file=log, nproc=2)
     logs = Path(run_dirs["logs"])
     wait_until(lambda: len(read_events(logs, "step")) >= 3, proc, "three steps", log_file=log)
-    workers = _children(proc.pid)
+    workers = [pid for pid in children(proc.pid) if f"{PACKAGE}.train".encode() in cmdline(pid)]
     assert len(workers) == 2
     os.kill(proc.pid, signal.SIGKILL)          # the launcher dies; nobody forwards anything
     proc.wait()
     deadline = time.monotonic() + 90
-    while any(map(_alive, workers)) and time.monotonic() < deadline:
+    while not all(map(gone, workers)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(map(_alive, workers)), "workers trained on after their torchrun died"
+    assert all(map(gone, workers)), "workers trained on after their torchrun died"
     stop = read_events(logs, "preemption")[-1]
     assert stop["source"] == "launcher-gone"
     assert committed(run_dirs)[-1] == stop["stop_step"]

@@ -21,14 +21,9 @@ from test_integrity import save_and_commit
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from conftest import moto_s3, project_module, run_module
+from conftest import moto_s3, run_module
 
 TRAIN = ["model.d_model=32", "model.n_layers=1", "train.max_steps=2"]
-
-
-@pytest.fixture
-def ckpt():
-    return project_module("checkpoint.layout"), project_module("checkpoint.storage")
 
 
 @pytest.fixture
@@ -114,13 +109,13 @@ def test_too_little_space_for_the_checkpoints_to_keep_is_refused(tmp_path, tmpfs
     assert one * 3 > free > one                               # room for one more, not three
     # keep_last=3: three kept plus one being written; one is there already.
     with pytest.raises(storage_mod.StorageError) as refused:
-        layout.check_storage(storage, keep_last=3, is_coordinator=True)
+        layout.check_storage(storage, keep_last=3)
     needed = storage_mod.human_bytes(one * 3)
     assert str(refused.value) == (
         f"checkpoint.dir={root} has not enough free space: {needed} needed (checkpoint.keep_last"
         f"=3 + 1 checkpoints of {storage_mod.human_bytes(one)} each, less "
         f"{storage_mod.human_bytes(one)} held already), {storage_mod.human_bytes(free)} free")
-    layout.check_storage(storage, keep_last=1, is_coordinator=True)   # fits: no error
+    layout.check_storage(storage, keep_last=1)   # fits: no error
     if mount is not None:  # and train itself exits 2 with that sentence
         error = refused_at_start(str(root), tmp_path, "checkpoint.keep_last=3")
         assert error.startswith(f"error: checkpoint.dir={root} has not enough free space: ")
@@ -130,7 +125,7 @@ def test_no_checkpoint_yet_skips_the_space_check(tmp_path, ckpt, monkeypatch):
     layout, storage_mod = ckpt
     storage = storage_mod.LocalStorage(tmp_path / "fresh")
     monkeypatch.setattr(storage_mod.LocalStorage, "free_bytes", lambda self: 0)
-    layout.check_storage(storage, keep_last=3, is_coordinator=True)
+    layout.check_storage(storage, keep_last=3)
     assert (tmp_path / "fresh").is_dir() and list((tmp_path / "fresh").iterdir()) == []
 
 

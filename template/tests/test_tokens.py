@@ -16,7 +16,16 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, finish, project_module, read_events, run_module, start, wait_until
+from conftest import (
+    ROOT,
+    finish,
+    forked_children,
+    project_module,
+    read_events,
+    run_module,
+    start,
+    wait_until,
+)
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
 
@@ -43,7 +52,7 @@ def write_inputs(tmp_path: Path) -> tuple[list[Path], list[str]]:
 
 
 def prepare(*args: str) -> int:
-    return project_module("prepare_data").main([*args])
+    return project_module("tools.prepare_data").main([*args])
 
 
 def read_stream(out: Path) -> tuple[dict, np.ndarray]:
@@ -75,8 +84,8 @@ def check_round_trip(out: Path, expected_ids: list[list[int]]) -> dict:
 def test_bytes_round_trip_with_workers_and_several_files(tmp_path, capsys, monkeypatch):
     # Small chunks and pieces: many chunks in flight across the workers, and documents
     # longer than a piece tokenized in several pieces.
-    monkeypatch.setattr(project_module("prepare_data"), "CHUNK_CHARS", 40)
-    monkeypatch.setattr(project_module("prepare_data"), "PIECE_CHARS", 30)
+    monkeypatch.setattr(project_module("tools.prepare_data"), "CHUNK_CHARS", 40)
+    monkeypatch.setattr(project_module("tools.prepare_data"), "PIECE_CHARS", 30)
     inputs, documents = write_inputs(tmp_path)
     args = ["--input", *map(str, inputs), "--tokenizer", "bytes", "--text-key", "body",
             "--shard-tokens", "100"]
@@ -185,7 +194,7 @@ def test_tiny_model_takes_the_datas_vocabulary(tmp_path):
                    str(tmp_path / "tok")) == 0
     cfg = project_module("config").load_config(CONFIG, [
         "data.kind=tokens", f"data.path={tmp_path / 'tok'}", f"checkpoint.dir={tmp_path / 'c'}"])
-    task = project_module("task")
+    task = project_module("loop.task_contract").load_task()
     assert task.build_model(cfg).embed.num_embeddings == 257
     assert len(task.build_data(cfg)) == (5000 + 1 - 1) // 64  # 5000 bytes + one separator
     bad = project_module("config").load_config(CONFIG, ["data.kind=tokens",
@@ -194,30 +203,11 @@ def test_tiny_model_takes_the_datas_vocabulary(tmp_path):
         task.build_data(bad)
 
 
-def forked_children(pid: int) -> list[int]:
-    """Children of ``pid`` with its command line: forked from it (DataLoader workers)."""
-    def cmdline(p: int | str) -> bytes:
-        try:
-            return Path(f"/proc/{p}/cmdline").read_bytes()
-        except OSError:
-            return b""
-
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            continue  # exited meanwhile
-        if parent == pid and cmdline(stat.parent.name) == cmdline(pid):
-            found.append(int(stat.parent.name))
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_a_dataloader_worker_that_dies_is_an_error_not_a_hang(tmp_path):
     logs, log_file = tmp_path / "logs", tmp_path / "job.log"
-    proc = start("train", "data.num_workers=2", "train.max_steps=100000",
+    proc = start("train", "loader.num_workers=2", "train.max_steps=100000",
                  "checkpoint.async_mode=sync", f"checkpoint.dir={tmp_path / 'ckpt'}",
                  f"log.dir={logs}", log_file=log_file)
     wait_until(lambda: read_events(logs, "step"), proc, "the first step", log_file=log_file)

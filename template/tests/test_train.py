@@ -7,13 +7,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import read_metrics, run_module, torchrun
+from conftest import overrides_for, read_metrics, run_module, torchrun
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "log.every_steps=4"]
 
 
-def overrides(dirs, *extra):
-    return [*SMALL, f"checkpoint.dir={dirs['ckpt']}", f"log.dir={dirs['logs']}", *extra]
+overrides = overrides_for(*SMALL)
 
 
 def test_two_ranks_save_retain_and_resume(run_dirs, tmp_path):

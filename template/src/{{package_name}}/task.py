@@ -3,6 +3,8 @@
 The harness (trainer, checkpointing, preemption, launch) calls the functions below and
 nothing else of yours; docs/EXTENDING.md gives the contract and what the harness
 guarantees in return. Required: ``build_model``, ``build_data``, ``loss_and_metrics``.
+``build_model(cfg, ctx)`` gets what the harness knows about this run in ``ctx``
+(``first_start``, ``rank``, ``world_size``, ``device``); ``build_model(cfg)`` works too.
 Optional, with the harness's defaults when absent: ``collate`` (default_collate),
 ``build_optimizer`` (AdamW with warm-up and cosine decay from ``train.*``) and
 ``shard_units`` (the submodules FSDP2 shards one by one).
@@ -24,30 +26,26 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from .checkpoint import newest_complete_checkpoint, open_storage
-from .config import Config, task_section_of_kind
+from .config import Config, TaskContext, task_section_of_kind
 from .datasets import TextConfig, TextWindows, TokenConfig, TokenWindows, read_index
 from .models import HFConfig, TinyConfig, TinyLM, build_hf_model, check_data_fits
 
-HARNESS_DATA_KEYS = ("num_workers", "prefetch_factor")  # read by the harness's DataLoader
 MODELS = {"tiny": TinyConfig, "hf": HFConfig}
 DATA = {"text": TextConfig, "tokens": TokenConfig}
 
 
 def _data_section(cfg: Config) -> tuple[str, TextConfig | TokenConfig]:
-    return task_section_of_kind(cfg.data, DATA, "data", default="text",
-                                ignore=HARNESS_DATA_KEYS)
+    return task_section_of_kind(cfg.data, DATA, "data", default="text")
 
 
-def build_model(cfg: Config) -> nn.Module:
+def build_model(cfg: Config, ctx: TaskContext) -> nn.Module:
     kind, model = task_section_of_kind(cfg.model, MODELS, "model", default="tiny")
     data_kind, data = _data_section(cfg)
     vocab = read_index(data.path)["vocab_size"] if data_kind == "tokens" else 256
     if kind == "tiny":
         return TinyLM(model, max_seq_len=data.seq_len, vocab_size=vocab)
     # Pretrained weights (model.path) at the first start only: a resume loads the checkpoint.
-    first_start = newest_complete_checkpoint(open_storage(cfg.checkpoint.dir)) is None
-    hf_model = build_hf_model(model, load_weights=first_start)
+    hf_model = build_hf_model(model, load_weights=ctx.first_start)
     check_data_fits(hf_model, vocab, data.seq_len)
     return hf_model
 

@@ -1,115 +1,11 @@
 """Check checkpoints against the checksums their commit.json recorded.
 
-    python -m <package>.verify                              every checkpoint in checkpoint.dir
-    python -m <package>.verify checkpoints/step_000001200   one checkpoint
-    python -m <package>.verify /mnt/old-run/checkpoints     every checkpoint in a directory
-    python -m <package>.verify s3://bucket/run [--config PATH] [key=value ...]
-
-Each checkpoint is checked as a load would check it, and more: commit.json, every
-listed file's size, its CRC-32 checksums (all of them, or a sample with
-``checkpoint.verify=sample``) and a ``.metadata`` that the restricted loader accepts.
-One table row per checkpoint: step, files, bytes, status, reason. Status ``ok``;
-``unverified`` (committed before checksums were recorded: sizes only);
-``uncommitted`` (a save that never finished: never loaded, not a failure); ``FAILED``.
-
-Exit status: 0 nothing failed (also when there is no checkpoint), 1 at least one
-checkpoint FAILED, 2 bad input (configuration, a path that does not exist or is not a
-checkpoint).
+The command `python -m <package>.verify`; its code and usage are in `tools/verify.py`.
 """
 
-from __future__ import annotations
-
-import argparse
-import re
 import sys
-import time
-from pathlib import Path
 
-from . import exit_codes
-from .checkpoint import layout
-from .checkpoint.storage import human_bytes, open_storage
-from .config import OBJECT_STORE_SCHEMES, ConfigError, VerifyMode, load_config
-
-_OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m {__package__}.verify",
-        description="Check checkpoints against the checksums recorded when they were committed.",
-        epilog="Without CHECKPOINT|DIR, every checkpoint under checkpoint.dir is checked. "
-               "checkpoint.verify=sample reads a part of each large file; otherwise all of it.")
-    parser.add_argument("--config", default=None, help="YAML config (default configs/train.yaml)")
-    parser.add_argument("items", nargs="*", metavar="CHECKPOINT|DIR or key=value")
-    return parser.parse_args(argv)
-
-
-def _target(items: list[str]) -> tuple[str | None, list[str]]:
-    paths = [item for item in items if not _OVERRIDE.match(item)]
-    if len(paths) > 1:
-        raise ConfigError(f"give one checkpoint or directory, not {len(paths)}: {paths}")
-    return (paths[0] if paths else None), [item for item in items if _OVERRIDE.match(item)]
-
-
-def _split(target: str) -> tuple[str, str | None]:
-    """(root, checkpoint name or None) for a checkpoint or a directory of checkpoints."""
-    stripped = target.rstrip("/")
-    parent, _, last = stripped.rpartition("/")
-    if re.fullmatch(r"step_\d{9}", last):
-        return (parent or "."), last
-    return stripped or "/", None
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        target, overrides = _target(args.items)
-        cfg = load_config(args.config, overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
-    mode = "sample" if cfg.checkpoint.verify == VerifyMode.sample else "all"
-    root, single = _split(target if target is not None else cfg.checkpoint.dir)
-    is_url = root.startswith(tuple(f"{s}://" for s in OBJECT_STORE_SCHEMES))
-    if not is_url and not Path(root.removeprefix("file://")).is_dir():
-        what = "does not exist" if not Path(root).exists() else "is not a directory"
-        print(f"error: {target or f'checkpoint.dir={root}'} {what}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
-    try:
-        storage = open_storage(root)
-        names = layout.checkpoint_names(storage)
-    except (OSError, RuntimeError) as exc:
-        print(f"error: cannot read {root}: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
-    if single is not None:
-        if single not in names:
-            print(f"error: {storage.path(single)} does not exist", file=sys.stderr)
-            return exit_codes.BAD_INPUT
-        names = [single]
-    if not names:
-        print(f"no checkpoints in {storage}")
-        return exit_codes.OK
-
-    print(f"verifying {len(names)} checkpoint(s) in {storage} (checksums: {mode})")
-    row = "{:>10}  {:>5}  {:>12}  {:<11}  {}"
-    print(row.format("step", "files", "bytes", "status", "reason"))
-    began, checked, verdicts = time.perf_counter(), 0, []
-    for name in reversed(names):  # newest first, as a resume looks at them
-        verdict = layout.verify_checkpoint(storage, name, mode)
-        verdicts.append(verdict)
-        checked += verdict.checked_bytes
-        print(row.format(verdict.step, verdict.files, f"{verdict.bytes:,}", verdict.status,
-                         verdict.reason).rstrip(), flush=True)
-    seconds = time.perf_counter() - began
-    failed = sum(v.failed for v in verdicts)
-    counts = {status: sum(v.status == status for v in verdicts)
-              for status in ("ok", "unverified", "uncommitted", "FAILED")}
-    rate = f", {checked / seconds / 1e6:,.0f} MB/s" if checked and seconds > 0 else ""
-    print(f"checked {len(verdicts)}: "
-          + ", ".join(f"{n} {status}" for status, n in counts.items() if n or status == "FAILED")
-          + f"; checksummed {human_bytes(checked)} in {seconds:.1f} s{rate}")
-    return exit_codes.FAILED if failed else exit_codes.OK
-
+from .tools.verify import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,17 +18,16 @@ import uuid
 from concurrent import futures
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
+from ..runtime.distributed import decide_on_rank0
 
-def start_checkpoint_process(timeout_s: float, is_coordinator: bool) -> None:
+
+def start_checkpoint_process(timeout_s: float) -> None:
     """One tiny save through DCP's process checkpointer spawns its process and group."""
-    name = [f"dcp-start-{uuid.uuid4().hex}" if is_coordinator else None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(name, src=0)
-    scratch = os.path.join(tempfile.gettempdir(), name[0])
+    name = decide_on_rank0(lambda: f"dcp-start-{uuid.uuid4().hex}")
+    scratch = os.path.join(tempfile.gettempdir(), name)
     os.makedirs(scratch, exist_ok=True)
     try:
         response = dcp.async_save({"start": torch.zeros(1)},

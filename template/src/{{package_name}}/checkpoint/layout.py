@@ -26,6 +26,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ..runtime.distributed import decide_on_rank0
 from . import integrity, safe_load
 from .storage import Storage, StorageError, check_space, human_bytes, probe
 
@@ -256,7 +257,7 @@ def space_needed(storage: Storage, keep_last: int) -> tuple[int | None, str]:
                     f"each, less {human_bytes(held)} held already")
 
 
-def check_storage(storage: Storage, keep_last: int, *, is_coordinator: bool) -> None:
+def check_storage(storage: Storage, keep_last: int) -> None:
     """The start-up storage check, run by the coordinator, its verdict shared by all ranks.
 
     Raises StorageError (one sentence: checkpoint.dir and the cause) on every rank when
@@ -265,22 +266,19 @@ def check_storage(storage: Storage, keep_last: int, *, is_coordinator: bool) -> 
     such bucket. Call it before building the model: failing here costs seconds, not the
     compute until the first save.
     """
-    import torch.distributed as dist
-
-    verdict: list[str | None] = [None]
-    if is_coordinator:
+    def verdict() -> str | None:
         try:
             probe(storage)  # first: listing a root that is a file or lacks credentials fails
             check_space(storage, *space_needed(storage, keep_last))
         except StorageError as exc:
-            verdict[0] = str(exc)
+            return str(exc)
         except Exception as exc:  # noqa: BLE001 - the other ranks wait for a verdict
-            verdict[0] = (f"checkpoint.dir={storage} could not be checked: "
-                          f"{type(exc).__name__}: {exc}")
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        raise StorageError(verdict[0])
+            return f"checkpoint.dir={storage} could not be checked: {type(exc).__name__}: {exc}"
+        return None
+
+    refused = decide_on_rank0(verdict)
+    if refused is not None:
+        raise StorageError(refused)
 
 
 def retire_old(storage: Storage, keep_last: int, *, up_to: int | None = None) -> list[str]:

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..config import AsyncMode
 from . import layout
 from .background import start_checkpoint_process, stderr_to
+from .dcp_planner import TrainingStatePlanner
 from .lease import Lease
-from .planner import TrainingStatePlanner
 from .staging import ReusingStager
 from .storage import Storage, describe_save_error
 
@@ -97,7 +97,7 @@ class CheckpointManager:
             # into the same buffers without rebuilding the state dict (staging.py).
             self._stager = ReusingStager(StagingOptions(
                 use_pinned_memory=on_gpu, use_shared_memory=self.mode == AsyncMode.process,
-                use_async_staging=True, use_non_blocking_copy=on_gpu))
+                use_async_staging=True, use_non_blocking_copy=on_gpu), device=device)
         # A thread-mode save runs DCP's collectives in a background thread; on the default
         # group they would interleave with the training loop's own collectives and could
         # pair up wrongly across ranks. Its own gloo group keeps the two streams apart
@@ -134,7 +134,7 @@ class CheckpointManager:
                     staged.result(timeout=timeout_s)
             if self.mode == AsyncMode.process:
                 with stderr_to(process_log):  # DCP's process logs at INFO to its stderr
-                    start_checkpoint_process(timeout_s, self.is_coordinator)
+                    start_checkpoint_process(timeout_s)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported, then sync
             self._abandoned = True  # a half-started process may still hold a thread
             return self.record_failure(None, exc, "the background checkpoint process did not start")
@@ -236,6 +236,12 @@ class CheckpointManager:
             return self._finish(mode=AsyncMode.sync)
         kind = (AsyncCheckpointerType.PROCESS if self.mode == AsyncMode.process
                 else AsyncCheckpointerType.THREAD)
+        # The staged state is on the host already: no copy-ahead from the GPU. DCP's own
+        # writer.stage() would set this, but it is skipped when a stager is given; left at
+        # its default the writer takes the overlapping loader, which opens a CUDA context
+        # on GPU 0 in the background process and queues writes behind training kernels.
+        if hasattr(writer, "per_thread_copy_ahead"):
+            writer.per_thread_copy_ahead = 0
         response = dcp.async_save(state, storage_writer=writer, planner=self._planner,
                                   async_checkpointer_type=kind, async_stager=self._stager,
                                   process_group=self._group)

@@ -1,10 +1,13 @@
-"""The save policy: when to save, one save at a time, and what to do when saves fail.
+"""The save decisions: when to save, one save at a time, preemption, failing saves.
 
-The trainer makes one call per step, ``maybe_save(step, boundary)``. A save is due every
-``checkpoint.interval_steps`` steps and at the last step. Before a due save starts, the
-previous one is finished (the staging buffers are reused), unless a stop is requested
-meanwhile; then all ranks vote at the step boundary, so that no save starts after a
-stop request and every rank decides alike.
+The checkpointer asks once per step boundary, ``decide(step, boundary)``, and gets a
+``StepDecision``. A save is due every ``checkpoint.interval_steps`` steps and at the
+last step. Before a due save starts, the previous one is finished (the staging buffers
+are reused), unless a stop is requested meanwhile; then all ranks vote at the step
+boundary, so that no save starts after a stop request and every rank decides alike.
+A stop is one more reason to save (as in Orbax's preemption policy): the save in
+flight is drained and a final checkpoint written at this step if the grace period
+allows (``stop``), and the decision says stop.
 
 Every wait is bounded and shared: the ranks wait for a save in flight together, and give
 it up together when it fails on any rank or outlasts ``checkpoint.wait_timeout_s``.
@@ -16,6 +19,8 @@ keep coming. Saves failing ``checkpoint.max_failed_saves`` times in a row (once,
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,49 +29,64 @@ from typing import Any, Protocol
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..metrics import Event, MetricsLog
+from ..preemption.stop import Vote
+from ..runtime.distributed import any_rank, decide_on_rank0
+from ..runtime.metrics import Event, MetricsLog
 from .layout import Committed
 from .manager import CheckpointManager, SaveResult
+
+log = logging.getLogger(__name__)
 
 WAIT_SLICE_S = 0.1  # how often a wait for the previous save looks for a stop request
 
 
 @dataclass(frozen=True)
-class Vote:
-    """What all ranks agreed at a step boundary."""
+class StepDecision:
+    """What the checkpointer decided at a step boundary, the same on every rank."""
 
-    stop_at: float | None   # wall time of the earliest stop request on any rank, or None
-    failed_saves: int       # the most failed saves on any rank, this run
-
-
-@dataclass(frozen=True)
-class SavesFailing:
-    """Training must stop: saves keep failing and the state is not being saved."""
-
-    failures: int
-    reason: str
+    saved: bool = False   # a save started at this step (or, at a stop, committed)
+    stop: bool = False    # the loop must stop now
+    why: str = ""         # "interval", "final", "preempted", "interrupted", "not_saved"
+    detail: str = ""      # for "not_saved": why the state is not being saved
+    newest: str = ""      # the newest checkpoint, in words (for the progress line)
 
 
 class StepBoundary(Protocol):
-    """The stop protocol as the save policy sees it (stop.StopCoordinator)."""
+    """The stop protocol as the save policy sees it (preemption.stop.StopCoordinator)."""
+
+    grace_period_s: float
 
     @property
     def requested(self) -> bool: ...
 
     def vote(self, failed_saves: int = 0) -> Vote: ...
 
-    def any_rank(self, *flags: bool) -> tuple[bool, ...]: ...
+    def agreed_source(self, step: int) -> tuple[str, int, str, list[int]]: ...
+
+    @property
+    def signals_received(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Stopped:
+    step: int
+    final_step: int | None       # the checkpoint committed at the stop, if any
+    resume_step: int | None      # where a restart resumes
+    by_user: bool = False        # Ctrl-C, not a preemption
 
 
 class SavePolicy:
     def __init__(self, manager: CheckpointManager, *, interval_steps: int, final_step: int,
                  state: Callable[[], dict[str, Stateful]], record: Callable[[], dict[str, Any]],
-                 metrics: MetricsLog, wait_timeout_s: float, max_failed_in_a_row: int) -> None:
+                 metrics: MetricsLog, wait_timeout_s: float, max_failed_in_a_row: int,
+                 allowance: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                 ) -> None:
         self.manager = manager
         self.interval_steps = interval_steps
         self.final_step = final_step
         self.wait_timeout_s = wait_timeout_s
         self.max_failed_in_a_row = max_failed_in_a_row
+        self.allowance = allowance
         self.failed_in_a_row = 0
         self._failures_seen = 0
         self._state = state
@@ -81,8 +101,7 @@ class SavePolicy:
     def due(self, step: int) -> bool:
         return step == self.final_step or step % self.interval_steps == 0
 
-    def warm_up(self, boundary: StepBoundary, timeout_s: float, *, stage: bool,
-                process_log: str | None = None) -> None:
+    def warm_up(self, timeout_s: float, *, stage: bool, process_log: str | None = None) -> None:
         """Start the background checkpoint process before the first step (all ranks).
 
         ``stage`` also allocates the staging buffers, from the state as it is: only once
@@ -92,7 +111,7 @@ class SavePolicy:
         began = time.perf_counter()
         failure = self.manager.warm_up(self._state() if stage else None, timeout_s,
                                        process_log)
-        (failed_somewhere,) = boundary.any_rank(failure is not None)
+        (failed_somewhere,) = any_rank(failure is not None)
         if failed_somewhere:
             self._go_synchronous(self.progress_step(), "the background checkpoint process did "
                                  f"not start on every rank ({failure or 'on another rank'})")
@@ -104,43 +123,50 @@ class SavePolicy:
     def progress_step(self) -> int:
         return int(self._state()["progress"].step)
 
-    def maybe_save(self, step: int, boundary: StepBoundary) -> float | SavesFailing | None:
-        """Commit what has finished, vote, and start a save if one is due.
-
-        Returns the agreed stop time when the loop must stop for a stop request, a
-        SavesFailing when saves keep failing, else None (no save was started on a stop).
-        """
+    def decide(self, step: int, boundary: StepBoundary, *, trained: bool = True,
+               last_step: bool = False) -> StepDecision:
+        """Commit what has finished, vote, then stop (saving within the grace period) or
+        start a save if one is due. ``trained``: a step was trained since the start (the
+        call before the first step only votes). Saves and the stop run under
+        ``allowance()``, the watchdog's extra time for work with bounds of its own."""
         self._report(self.manager.poll())
-        due = self.due(step)
-        if self._prestage and not due and not self.synchronous:
+        due = trained and (last_step or self.due(step))
+        if self._prestage and not due and not self.synchronous and trained:
             # The optimizer has state now: the staging buffers are allocated in the
             # background during the next step, not by the first save.
             self._prestage = False
             self.manager.prestage(self._state())
-        waited = self._finish_previous(boundary) if due else 0.0
-        vote = boundary.vote(failed_saves=self.manager.failed_saves)
-        if vote.stop_at is not None:
-            return vote.stop_at
+        with self.allowance() if due else contextlib.nullcontext():
+            waited = self._finish_previous(boundary) if due else 0.0
+            vote = boundary.vote(failed_saves=self.manager.failed_saves)
+        if vote.stop_at is not None:   # preemption: one more reason to save, now
+            with self.allowance():
+                stopped = self.stop(step, vote.stop_at, boundary)
+            return StepDecision(saved=stopped.final_step is not None, stop=True,
+                                why="interrupted" if stopped.by_user else "preempted")
         if not due:
-            return None
+            return StepDecision()
         if vote.failed_saves > self._failures_seen:  # a save failed since the last due step
             self._failures_seen = vote.failed_saves
             self.failed_in_a_row += 1
             if self.failed_in_a_row >= self.max_failed_in_a_row:
-                return SavesFailing(self.failed_in_a_row, self.manager.last_error or
-                                    "see the log of the rank where it failed")
+                last = self.manager.last_error or "see the log of the rank where it failed"
+                return StepDecision(stop=True, why="not_saved", detail=(
+                    f"{self.failed_in_a_row} save(s) in a row failed, the last: {last}"))
             if not self.synchronous:
                 self._go_synchronous(step, "a background save failed")
         else:
             self.failed_in_a_row = 0
         self._waited_s[step] = waited
-        reason = "final" if step == self.final_step else "interval"
+        reason = "final" if last_step or step == self.final_step else "interval"
         try:
-            self._report(self.manager.save(step, self._state(), reason, self._record(),
-                                           blocking=self.synchronous))
+            with self.allowance():
+                self._report(self.manager.save(step, self._state(), reason, self._record(),
+                                               blocking=self.synchronous))
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - counted, voted next time
             self.manager.record_failure(step, exc, "failed")
-        return None
+            return StepDecision(why=reason)
+        return StepDecision(saved=True, why=reason)
 
     def _go_synchronous(self, step: int, why: str) -> None:
         self.synchronous = True
@@ -168,7 +194,7 @@ class SavePolicy:
                 except TimeoutError:
                     pass
             waited = time.perf_counter() - began
-            pending, stop, failed, too_long = boundary.any_rank(
+            pending, stop, failed, too_long = any_rank(
                 self.manager.in_flight, stop_ends_wait and boundary.requested,
                 self.manager.failed_saves > failures_before, waited > self.wait_timeout_s)
             if not pending or stop:
@@ -231,6 +257,94 @@ class SavePolicy:
             record = self.resumed_from.record
             return float(record.get("write_s", record.get("commit_latency_s", 0.0)))
         return 0.0
+
+    # ------------------------------------------------------------ the stop --
+    def _skip_reason(self, step: int, deadline: float, estimate: float,
+                     drain_timed_out: bool) -> str | None:
+        """Why no final checkpoint should be written at ``step`` (rank 0), or None."""
+        newest = self.newest_step
+        if newest == step:
+            return f"checkpoint at step {step} already committed"
+        if newest is None and step == 0:
+            return "no step trained yet"
+        if drain_timed_out:
+            return "finishing the save in flight used up the grace period"
+        remaining = deadline - time.time()
+        if remaining < estimate:
+            return (f"{remaining:.2f} s of grace left, a save takes about {estimate:.2f} s "
+                    f"(measured)")
+        return None
+
+    def stop(self, step: int, requested_at: float, boundary: StepBoundary) -> Stopped:
+        """Drain the in-flight save, then commit a final one at ``step`` if the grace allows.
+
+        Time runs from the earliest request on any rank; the deadline is that plus the
+        grace period. The drain gives up at the deadline; a final save that the measured
+        save time says cannot fit is not started, and the newest committed checkpoint
+        stays the one to resume from. Either way nothing torn can count: only a commit
+        makes a checkpoint.
+        """
+        grace = boundary.grace_period_s
+        deadline = requested_at + grace
+        source, source_rank, detail, rank_steps = boundary.agreed_source(step)
+        in_flight_step = self.in_flight_step
+        what = ("interrupted by the user (Ctrl-C; press it again to exit without a final save)"
+                if source == "SIGINT" else source)
+        what += f" on rank {source_rank}" if len(rank_steps) > 1 else ""
+        what += f": {detail}" if detail else ""
+        draining = (f", finishing the save of step {in_flight_step} in flight"
+                    if in_flight_step is not None else "")
+        self.metrics.say(f"stop requested ({what}) at step {step}{draining}; "
+                         f"grace period {grace:g} s")
+
+        # 1. Drain: the save in flight commits, or fails (a signal sent to the process group
+        #    also kills DCP's checkpoint process), or is given up at the deadline. A drain
+        #    that ran out of time on any rank counts: rank 0 must not plan on time that
+        #    rank lacks.
+        drained, timed_out = self.drain(timeout=deadline - time.time())
+        committed_at = time.time() if drained is not None else None
+        (drain_timed_out,) = any_rank(timed_out)
+
+        # 2. Final save at this step, decided by rank 0.
+        estimate = self.save_estimate_s()
+        skip = decide_on_rank0(lambda: self._skip_reason(step, deadline, estimate, drain_timed_out))
+        final = None
+        if skip is None:
+            try:
+                final = self.save_now(step, "preemption")
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - still exit as preempted
+                log.error("final checkpoint at step %d failed: %s", step, exc)
+                skip = f"final save failed: {exc}"
+            if final is not None:
+                committed_at = time.time()
+
+        finished = time.time()
+        to_commit = committed_at - requested_at if committed_at is not None else None
+        grace_left = deadline - finished
+        resume_step = self.newest_step
+        self.metrics.event(
+            Event.preemption, source=source, source_rank=source_rank, detail=detail,
+            stop_step=step, rank_stop_steps=rank_steps, in_flight_step=in_flight_step,
+            drained_step=drained.step if drained is not None else None,
+            final_checkpoint_step=final.step if final is not None else None,
+            final_save_skipped_reason=skip if final is None else None,
+            save_estimate_s=estimate, signal_to_commit_s=to_commit,
+            grace_period_s=grace, grace_left_s=grace_left, resume_step=resume_step,
+            signals_received=boundary.signals_received)
+        if final is not None:
+            outcome = f"checkpoint step {step} committed {to_commit:.2f} s after the request"
+        else:
+            outcome = (f"no final checkpoint ({skip}); a restart resumes from "
+                       f"{'step ' + str(resume_step) if resume_step is not None else 'scratch'}")
+        left = (f"{grace_left:.1f} s of grace left" if grace_left >= 0
+                else f"{-grace_left:.2f} s past the grace period")
+        self.metrics.say(f"stopped at step {step}: {outcome}; {left}")
+        if to_commit is not None and to_commit > grace:
+            log.warning("the last commit came %.1f s after the request, past the %g s grace "
+                        "period: where the platform kills on time it would have been lost",
+                        to_commit, grace)
+        return Stopped(step, final.step if final is not None else None, resume_step,
+                       by_user=source == "SIGINT")
 
     # ------------------------------------------------------------- reporting --
     def describe_newest(self) -> str:

@@ -20,6 +20,7 @@ the previous one has been written: the checkpoint manager already keeps to that.
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
@@ -158,13 +159,32 @@ def _shared_marked(slots: list[_Slot]) -> list[_Slot]:
 
 class ReusingStager(DefaultStager):
     """DCP's DefaultStager (pinned or shared host memory, asynchronous copy) whose saves
-    after the first copy into the same buffers without rebuilding the state dict."""
+    after the first copy into the same buffers without rebuilding the state dict.
 
-    def __init__(self, options: StagingOptions) -> None:
+    On CUDA two more things differ from DCP's: the staging thread sets this rank's device
+    before it does anything (leaving the staging stream's context would otherwise select
+    device 0, opening a context there for every local rank but 0), and the staging stream
+    waits for the work already queued on the compute stream before it copies, so the copy
+    never reads parameters an unfinished kernel is still writing.
+    """
+
+    def __init__(self, options: StagingOptions, device: torch.device | None = None) -> None:
         super().__init__(options)
+        self.device = device
         if hasattr(self, "_state_dict_stager"):  # DefaultStager's own, replaced
             self._state_dict_stager = _ReusingStateDictStager(
                 pin_memory=options.use_pinned_memory, share_memory=options.use_shared_memory)
+        if self._staging_executor is not None and device is not None and device.type == "cuda":
+            self._staging_executor.shutdown(wait=False)
+            self._staging_executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="staging",
+                initializer=torch.cuda.set_device, initargs=(device,))
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        stream = getattr(self, "_staging_stream", None)
+        if stream is not None and self.device is not None and self.device.type == "cuda":
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        return super().stage(state_dict, **kwargs)
 
     @property
     def fast_stages(self) -> int:

@@ -29,13 +29,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .. import PACKAGE
 from ..config import ConfigError
 
 INDEX_FILE = "index.json"
 FORMAT = "resumable-tokens"
 VERSION = 1
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-PREPARE = f"python -m {__package__.rsplit('.', 1)[0]}.prepare_data"
+PREPARE = f"python -m {PACKAGE}.prepare_data"
 
 
 def dtype_for(vocab_size: int) -> str:

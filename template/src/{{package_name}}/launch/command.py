@@ -15,7 +15,8 @@ import argparse
 import math
 import sys
 
-from .config import PreemptionConfig
+from .. import PACKAGE
+from ..config import PreemptionConfig
 
 # torchrun's own defaults; kept so that Ctrl-C and hang-ups still reach the workers.
 TORCHRUN_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -74,4 +75,4 @@ def torchrun_command(module: str, args: list[str], preemption: PreemptionConfig,
             raise ValueError("several nodes need a rendezvous endpoint (--rdzv-endpoint HOST:PORT)")
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
                 f"--rdzv-id={rdzv_id or 'resumable'}"]
-    return [*cmd, "-m", f"{__package__}.{module}", *args]
+    return [*cmd, "-m", f"{PACKAGE}.{module}", *args]

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..runtime.exit_codes import error_line
+
 EXITS_DIR = "exits"
 ONE_START_S = 600.0  # the ranks of one start begin within this of each other
 # Which record of an attempt names its cause: a rank that died without a word first (the
@@ -36,14 +38,6 @@ KIND = {"running": "lost", "hung": "hang", "crashed": "crash", "ended": "exit"}
 # the machine or the whole job was killed from outside, as a preemption without notice
 # is) and not "exit" (a status training decided: finished, preempted, not saved, ...).
 FAILURES = ("lost", "hang", "crash")
-
-
-def error_line(exc: BaseException, limit: int | None = 300) -> str:
-    """The exception's type and last line, e.g. ``RuntimeError: Connection closed by peer``
-    (cut at ``limit`` characters; None: whole). Without DCP's per-rank tracebacks."""
-    text = str(exc).strip().splitlines()
-    line = f"{type(exc).__name__}: {text[-1].strip() if text else ''}".rstrip(": ")
-    return line if limit is None or len(line) <= limit else line[:limit - 3] + "..."
 
 
 def signal_of(status: int | None) -> str | None:
@@ -126,7 +120,7 @@ class Attempt:
         self._write("crashed", status=1, reason=error_line(exc))
 
     def hung(self, waited_s: float, bound_s: float) -> None:
-        from .exit_codes import HUNG
+        from ..runtime.exit_codes import HUNG
 
         self._write("hung", status=HUNG, reason=f"no step finished in {waited_s:.1f} s "
                     f"(bound {bound_s:.1f} s)")

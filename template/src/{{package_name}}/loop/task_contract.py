@@ -7,7 +7,7 @@ What each function must do is written in docs/EXTENDING.md.
 
 from __future__ import annotations
 
-import math
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
-from .config import Config, ConfigError
+from ..config import Config, ConfigError, TaskContext
+from ..config.schedule import lr_factor
 
 REQUIRED = ("build_model", "build_data", "loss_and_metrics")
 OPTIONAL = ("collate", "build_optimizer", "shard_units")
@@ -26,7 +27,7 @@ Optimizers = tuple[torch.optim.Optimizer, "torch.optim.lr_scheduler.LRScheduler 
 
 @dataclass(frozen=True)
 class Task:
-    build_model: Callable[[Config], nn.Module]
+    build_model: Callable[..., nn.Module]        # (cfg, ctx: TaskContext | None = None)
     build_data: Callable[[Config], Any]
     loss_and_metrics: Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, Any]]]
     collate: Callable[[list[Any]], Any]
@@ -37,7 +38,7 @@ class Task:
 def load_task(module: ModuleType | None = None) -> Task:
     """The task's functions, with defaults for the optional ones missing from ``module``."""
     if module is None:
-        from . import task as module
+        from .. import task as module
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
     if missing:
         raise ConfigError(f"{module.__name__} must define {', '.join(missing)} "
@@ -45,9 +46,29 @@ def load_task(module: ModuleType | None = None) -> Task:
     defaults = {"collate": default_collate, "build_optimizer": default_optimizer,
                 "shard_units": default_shard_units}
     chosen = {name: getattr(module, name) for name in REQUIRED}
+    chosen["build_model"] = _with_context(chosen["build_model"])
     for name in OPTIONAL:
         chosen[name] = getattr(module, name, None) or defaults[name]
     return Task(**chosen)
+
+
+def _with_context(build_model: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """``build_model(cfg, ctx)``, or the older ``build_model(cfg)`` given the config alone
+    (task files written before the context existed keep working)."""
+    try:
+        params = inspect.signature(build_model).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: call it as before
+        params = ()
+    takes_context = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+                        for p in params) >= 2
+
+    def build(cfg: Config, ctx: TaskContext | None = None) -> nn.Module:
+        if takes_context:
+            return build_model(cfg, ctx if ctx is not None else TaskContext())
+        return build_model(cfg)
+
+    build.__wrapped__ = build_model  # type: ignore[attr-defined]
+    return build
 
 
 def check_config(task: Task, cfg: Config) -> None:
@@ -66,14 +87,6 @@ def check_config(task: Task, cfg: Config) -> None:
 
 
 # ------------------------------------------------------------------ defaults --
-
-def lr_factor(step: int, warmup: int, max_steps: int, min_ratio: float) -> float:
-    """Linear warm-up, then cosine decay to ``min_ratio``; a function of the global step."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
 
 def default_optimizer(model: nn.Module, cfg: Config) -> Optimizers:
     """AdamW with linear warm-up and cosine decay, from the ``train:`` section."""

@@ -26,9 +26,9 @@ import logging
 import time
 from typing import Any
 
-from .checkpoint.storage import Storage
-from .exit_codes import NOT_SAVED
-from .exits import FAILURES
+from ..checkpoint.storage import Storage
+from ..runtime.exit_codes import NOT_SAVED
+from .attempts import FAILURES
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .plan_model import Plan, badput, badput_components
+from .formulas import Plan, badput, badput_components
 
 PLOT_SUFFIXES = (".png", ".svg")
 

@@ -11,6 +11,7 @@ import enum
 import math
 import re
 import signal
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,8 +19,8 @@ from typing import Any, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from . import exit_codes
-from .plan_model import CRASH_SHARE
+from ..interval.formulas import CRASH_SHARE
+from ..runtime import exit_codes
 
 DEFAULT_CONFIG = Path("configs/train.yaml")
 # checkpoint.dir may be a path, a file:// URL or an object-store URL with one of these
@@ -83,6 +84,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 1234
     precision: Precision = Precision.fp32
+    tf32: bool = False          # CUDA: fp32 matrix products and convolutions in TF32
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
@@ -189,7 +191,7 @@ class RecoveryConfig:
     max_restarts: int = 3             # torchrun --max-restarts: in-place restarts of all workers
     step_timeout_s: float = 0.0       # watchdog; 0 = automatic: max(60 s, 10 x median step time)
     first_step_timeout_s: float = 600.0   # the first step of each start, and until steps are measured
-    collective_timeout_s: float = 600.0   # the process group's bound on one collective
+    collective_timeout_s: float = 900.0   # the process group's bound on one collective
     max_attempts_without_progress: int = 3   # starts in a row without a new checkpoint; 0 = no limit
     straggler_every_steps: int = 50   # how often ranks compare their step times; 0 = never
     straggler_ratio: float = 1.5      # slower than the median of ranks by this factor: a straggler
@@ -207,6 +209,15 @@ class RecoveryConfig:
                      "must be a finite number of seconds > 0", value)
         require(math.isfinite(self.straggler_ratio) and self.straggler_ratio > 1,
                  "recovery.straggler_ratio", "must be a finite number > 1", self.straggler_ratio)
+        # A hung step must meet the watchdog (stacks, a `hang` event, exit 124) before the
+        # process group's own timeout aborts the collective it hangs in (NCCL: exit -6,
+        # no event): every watchdog bound stays below the collective bound.
+        for key in ("first_step_timeout_s", "step_timeout_s"):
+            value = getattr(self, key)
+            require(value < self.collective_timeout_s, f"recovery.{key}",
+                     f"must be shorter than recovery.collective_timeout_s="
+                     f"{self.collective_timeout_s:g}, so that the watchdog finds a hung step "
+                     "before the collective times out", value)
 
 
 @dataclass
@@ -216,6 +227,32 @@ class LogConfig:
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 1, "log.every_steps", "must be >= 1", self.every_steps)
+
+
+START_METHODS = ("auto", "fork", "forkserver", "spawn")
+
+
+@dataclass
+class LoaderConfig:
+    """The DataLoader the harness builds around the task's dataset."""
+
+    num_workers: int = 0       # worker processes; 0 reads in the training process
+    prefetch_factor: int = 2   # micro-batches each worker keeps ready (with num_workers > 0)
+    # How workers start: auto = forkserver on CUDA (a fork would copy a process holding a
+    # CUDA context and helper threads), fork otherwise; or fork | forkserver | spawn.
+    start_method: str = "auto"
+
+    def __post_init__(self) -> None:
+        require(self.start_method in START_METHODS, "loader.start_method",
+                f"must be one of {', '.join(START_METHODS)}", self.start_method)
+        require(self.num_workers >= 0, "loader.num_workers", "must be >= 0", self.num_workers)
+        require(self.prefetch_factor >= 1, "loader.prefetch_factor", "must be >= 1",
+                self.prefetch_factor)
+
+
+# Harness settings that used to live in the task's ``data:`` section, and where they are now.
+MOVED_KEYS = {"data.num_workers": "loader.num_workers",
+              "data.prefetch_factor": "loader.prefetch_factor"}
 
 
 @dataclass
@@ -257,6 +294,7 @@ class Config:
     # the task itself, e.g. with task_section() below.
     model: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
@@ -286,12 +324,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             OmegaConf.load(path),
             OmegaConf.from_dotlist(list(overrides)),
         )
+        _move_old_keys(merged)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         # The first line says what is wrong (for a typo, with a suggestion); full_key says where.
         message = str(exc).split("\n")[0].strip()
         key = getattr(exc, "full_key", None)
         raise ConfigError(f"{key}: {message}" if key and key not in message else message) from None
+
+
+def _move_old_keys(merged: Any) -> None:
+    """Keys that moved (MOVED_KEYS) still work: their value goes to the new key, with a
+    one-line notice on stderr naming it."""
+    for old, new in MOVED_KEYS.items():
+        section, key = old.split(".")
+        values = merged[section]
+        if key in values:
+            value = values.pop(key)
+            OmegaConf.update(merged, new, value)
+            print(f"notice: {old} is now {new} (set {new}={value} instead; the old key keeps "
+                  "working for now)", file=sys.stderr)
 
 
 def _check_override_key(key: str) -> None:

@@ -22,3 +22,11 @@ INTERRUPTED = 130  # Ctrl-C (128 + SIGINT): stopped by the user, the state saved
 # they are (torchrun reports 1 for every one of them); preemption.exit_code is told apart
 # by the checkpoint or the stop it leaves behind.
 FINAL = (BAD_INPUT, NOT_SAVED, NO_PROGRESS, INTERRUPTED)
+
+
+def error_line(exc: BaseException, limit: int | None = 300) -> str:
+    """The exception's type and last line, e.g. ``RuntimeError: Connection closed by peer``
+    (cut at ``limit`` characters; None: whole). Without DCP's per-rank tracebacks."""
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[-1].strip() if text else ''}".rstrip(": ")
+    return line if limit is None or len(line) <= limit else line[:limit - 3] + "..."

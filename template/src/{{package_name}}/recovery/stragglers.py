@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .distributed import Runtime
-from .metrics import Event, MetricsLog
+from ..runtime.distributed import Runtime
+from ..runtime.metrics import Event, MetricsLog
 
 MIN_SHARE_OF_STEP = 0.05  # a straggler must cost at least this share of a step
 

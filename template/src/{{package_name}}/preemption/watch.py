@@ -22,8 +22,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from .config import NoticeSource, PreemptionConfig
-from .exit_codes import INTERRUPTED as INTERRUPTED_EXIT
+from ..config import NoticeSource, PreemptionConfig
+from ..runtime.exit_codes import INTERRUPTED as INTERRUPTED_EXIT
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from .exit_codes import HUNG
+from ..runtime.exit_codes import HUNG
 
 AUTO_MIN_S = 60.0          # the automatic bound is never shorter
 AUTO_FACTOR = 10.0         # times the median step time

@@ -1,6 +1,6 @@
 """What a checkpoint interval plan says: text for people, JSON for tools, the Markdown
 measured section of docs/CHECKLIST.md (English or Chinese), and a plot of badput
-against the interval. The numbers all come from plan_model.
+against the interval. The numbers all come from interval.formulas.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from .plan_model import (
+from .formulas import (
     Inputs,
     Measured,
     Plan,

@@ -31,7 +31,8 @@ Computer Systems 22(3)); its first term, √(2δM), is Young's (1974).
 
 The copy-time numbers (includes/plan.jinja in the template) repeat these
 expressions in Jinja; the template's tests hold the two together. Text, Markdown
-and plots of a plan are in plan_report; the command line is plan.
+and plots of a plan are in interval.report and interval.plot; the command line is
+interval.command (`python -m <package>.plan`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import os
 import statistics
 from dataclasses import dataclass
 
-from .metrics import METRICS_FILE, Event, metrics_file, read_events
+from ..runtime.metrics import METRICS_FILE, Event, metrics_file, read_events
 
 # ------------------------------------------------------------------ inputs ----
 

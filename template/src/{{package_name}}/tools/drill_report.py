@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .metrics import Event, read_events
+from ..runtime.metrics import Event, read_events
 
 # Runs on another world size add gradients in another order (float rounding, about 1e-7
 # relative here); a wrong data position, learning-rate step or optimizer state moves the

@@ -1,0 +1,200 @@
+"""The checkpointer: the training loop's whole checkpoint surface.
+
+The loop touches it at a few moments, as torchtitan's trainer touches its own:
+
+    checkpointer = Checkpointer.open(cfg, runtime, metrics, stop)   # storage, lease
+    resumed = checkpointer.load(trainer)          # choose, check and load; None: fresh
+    ...each step:
+        checkpointer.maybe_wait_for_staging()     # before the optimizer step
+        decision = checkpointer.save(step, last_step=...)   # a StepDecision: save? stop?
+    outcome = checkpointer.close(step, decision)  # finish the save in flight, verdict
+    checkpointer.release()                        # the lease; whether a save was abandoned
+
+Every decision that has to do with checkpoints is made here or below: the save interval
+and the final save (``policy``), preemption as one more reason to save now (the stop
+vote comes from ``preemption.stop``; the save at the stop is decided here), failing saves
+(synchronous fallback, exit 73), which checkpoint to resume from (``restore``), and who
+may write ``checkpoint.dir`` (``lease``). Every decision is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable
+
+from ..config import Config, OnSaveError
+from ..runtime.distributed import Runtime, decide_on_rank0
+from ..runtime.metrics import MetricsLog
+from .layout import Committed, check_storage, newest_complete_checkpoint
+from .lease import Lease, LeaseHeld
+from .manager import CheckpointManager
+from .policy import SavePolicy, StepBoundary, StepDecision
+from .restore import TrainingState, choose_and_load
+from .storage import StorageError, open_storage
+
+__all__ = ["CheckpointRefused", "Checkpointer", "StepDecision", "TrainingState"]
+
+
+class CheckpointRefused(RuntimeError):
+    """checkpoint.dir cannot be used by this job (exit status 2): unusable storage, or
+    another job holds its lease. The message is one sentence."""
+
+
+class Checkpointer:
+    def __init__(self, cfg: Config, runtime: Runtime, metrics: MetricsLog,
+                 boundary: StepBoundary, manager: CheckpointManager, lease: Lease | None,
+                 newest_step: int | None,
+                 allow: Callable[[float], contextlib.AbstractContextManager] | None) -> None:
+        self.cfg, self.runtime, self.metrics = cfg, runtime, metrics
+        self.boundary = boundary
+        self.manager = manager
+        self.lease = lease
+        self.first_start = newest_step is None   # no committed checkpoint at the start
+        self._allow = allow
+        self._policy: SavePolicy | None = None
+        self._start_step = 0
+        self._warm = False
+
+    # ------------------------------------------------------------------ start --
+    @classmethod
+    def open(cls, cfg: Config, runtime: Runtime, metrics: MetricsLog, boundary: StepBoundary,
+             *, allow: Callable[[float], contextlib.AbstractContextManager] | None = None
+             ) -> Checkpointer:
+        """Open checkpoint.dir for this job: a storage probe, the lease, a clean root.
+
+        Raises CheckpointRefused on every rank when the storage cannot be used or another
+        job holds the lease. ``allow(seconds)`` widens the step watchdog's bound while a
+        save with bounds of its own runs (recovery.watchdog.StepWatchdog.allow).
+        """
+        ckpt = cfg.checkpoint
+        storage = open_storage(ckpt.dir)
+        try:  # before the lease and the model: a full or read-only checkpoint.dir fails now
+            check_storage(storage, ckpt.keep_last)
+        except StorageError as exc:
+            raise CheckpointRefused(str(exc)) from None
+        lease = (Lease(storage, stale_s=ckpt.lease_stale_s, wait_s=ckpt.lease_wait_s)
+                 if runtime.is_main else None)
+        refused = decide_on_rank0(lambda: _take(lease))
+        if refused is not None:
+            raise CheckpointRefused(refused)
+        manager = CheckpointManager(storage, mode=ckpt.async_mode, keep_last=ckpt.keep_last,
+                                    is_coordinator=runtime.is_main, device=runtime.device,
+                                    lease=lease, verify=ckpt.verify)
+        try:
+            manager.prepare()
+            newest = decide_on_rank0(lambda: _newest_step(manager))
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        return cls(cfg, runtime, metrics, boundary, manager, lease, newest, allow)
+
+    def load(self, training: TrainingState) -> Committed | None:
+        """Load the newest checkpoint that loads into ``training`` (falling back to older
+        ones); None when there is none. Raises IncompatibleCheckpoint or
+        CheckpointUnusable (exit status 2). From now on saves take their state from
+        ``training``."""
+        resumed = choose_and_load(self.manager, training, self.cfg, self.runtime, self.metrics)
+        ckpt = self.cfg.checkpoint
+        self._policy = SavePolicy(
+            self.manager, interval_steps=ckpt.interval_steps, final_step=self.cfg.train.max_steps,
+            state=training.state, record=training.commit_record, metrics=self.metrics,
+            wait_timeout_s=ckpt.wait_timeout_s,
+            max_failed_in_a_row=1 if ckpt.on_error == OnSaveError.stop else ckpt.max_failed_saves,
+            allowance=lambda: self._allowance(True))
+        self._policy.resumed_from = resumed
+        self._start_step = training.progress.step
+        return resumed
+
+    # ------------------------------------------------------------- each step --
+    def maybe_wait_for_staging(self) -> None:
+        """Before the optimizer step: the staged copy of a save in flight is complete."""
+        self._saves().before_optimizer_step()
+
+    def save(self, step: int, *, last_step: bool = False) -> StepDecision:
+        """The step boundary after ``step``: commit what finished, vote, then save, stop
+        (saving at the stop if the grace period allows) or go on. The call before the
+        first step starts the background checkpoint process and only votes."""
+        policy = self._saves()
+        if not self._warm:
+            self._warm = True
+            timeout_s = self.cfg.checkpoint.start_timeout_s
+            with self._allow(timeout_s) if self._allow else contextlib.nullcontext():
+                policy.warm_up(timeout_s, stage=policy.resumed_from is not None,
+                               process_log=os.path.join(self.cfg.log.dir, "checkpoint-process."
+                                                        f"rank{self.runtime.rank}.log"))
+        decision = policy.decide(step, self.boundary, trained=step != self._start_step,
+                                 last_step=last_step)
+        return dataclasses.replace(decision, newest=policy.describe_newest())
+
+    # ------------------------------------------------------------------- end --
+    def close(self, step: int, last: StepDecision) -> StepDecision:
+        """Finish the save in flight (bounded) and release its buffers; the run's verdict:
+        ``last`` when the loop stopped for a stop or failing saves, else "finished" when
+        the state at ``step`` is committed, "not_saved" when it is not."""
+        policy = self._saves()
+        with self._allowance(True):
+            policy.finish(self.boundary)
+        newest = policy.newest_step
+        newest = f"step {newest}" if newest is not None else "none"
+        if last.stop:
+            if last.why != "not_saved":
+                return last
+            return dataclasses.replace(
+                last, detail=f"{last.detail}; the newest committed checkpoint is {newest}")
+        if decide_on_rank0(lambda: policy.committed(step)):
+            return StepDecision(saved=last.saved, why="finished")
+        return StepDecision(why="not_saved", detail=(
+            f"the final checkpoint of step {step} did not commit "
+            f"({self.manager.last_error or 'see the log'}); the newest committed checkpoint "
+            f"is {newest}"))
+
+    def release(self) -> bool:
+        """Give up the lease. Returns whether a background save was abandoned while it may
+        still run (the process must then leave without waiting for it)."""
+        if self.lease is not None:
+            self.lease.release()
+        return self.manager.abandoned
+
+    # ------------------------------------------------------------------------ --
+    @property
+    def policy(self) -> SavePolicy:
+        """The save decisions (the benchmark sets their interval; training never does)."""
+        return self._saves()
+
+    def _saves(self) -> SavePolicy:
+        if self._policy is None:
+            raise RuntimeError("Checkpointer.load must come before the first step")
+        return self._policy
+
+    def _allowance(self, needed: bool) -> contextlib.AbstractContextManager:
+        """The watchdog's extra time for a save, a stop or the end: the wait for the save
+        in flight (checkpoint.wait_timeout_s), the grace period, and four times the
+        newest measured write (before any: recovery.first_step_timeout_s)."""
+        if not needed or self._allow is None:
+            return contextlib.nullcontext()
+        estimate = self._saves().save_estimate_s()
+        return self._allow(self.cfg.checkpoint.wait_timeout_s + self.boundary.grace_period_s
+                           + (4 * estimate if estimate > 0
+                              else self.cfg.recovery.first_step_timeout_s))
+
+
+def _take(lease: Lease | None) -> str | None:
+    """Rank 0 takes the lease and starts its heartbeat; why not, or None."""
+    if lease is None:
+        return None
+    try:
+        notice = lease.acquire()
+    except LeaseHeld as exc:
+        return str(exc)
+    if notice:
+        print(f"notice: {notice}", flush=True)
+    lease.start_heartbeat()
+    return None
+
+
+def _newest_step(manager: CheckpointManager) -> int | None:
+    newest = newest_complete_checkpoint(manager.storage, verify="none")
+    return newest.step if newest is not None else None

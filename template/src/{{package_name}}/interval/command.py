@@ -1,0 +1,200 @@
+"""The checkpoint interval plan on the command line.
+
+    python -m <package>.plan --help
+
+Each input comes from its flag, else from what training measured (--metrics: T, δ
+and L), else from the config's `plan:` section, which config.load_config reads and
+checks like every other section (configs/train.yaml by default; key=value overrides
+as for training). The formulas are in interval.formulas; the text and the checklist's
+measured section in interval.report, the plot in interval.plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from .. import PACKAGE
+from ..config import DEFAULT_CONFIG, Config, ConfigError, load_config
+from ..runtime import exit_codes
+from .formulas import Inputs, MetricsError, PlanInputError, badput, make_plan, read_metrics
+from .plot import PLOT_SUFFIXES, PlotUnavailable, plot_badput
+from .report import (
+    checklist_language,
+    format_plan,
+    render_measured_section,
+    replace_measured_section,
+    to_json,
+    write_atomically,
+)
+
+# Inputs field -> (command-line flag, key in the config's `plan:` section)
+FLAGS = {
+    "mtbi_hours": ("--mtbi-hours", "mtbi_hours"),
+    "step_seconds": ("--step-seconds", "step_time_s"),
+    "blocking_seconds": ("--blocking-seconds", "checkpoint_save_s"),
+    # Before anything is measured one save time stands for both δ and L.
+    "commit_latency_seconds": ("--commit-latency-seconds", "checkpoint_save_s"),
+    "restart_seconds": ("--restart-seconds", "restart_s"),
+    "badput_target_percent": ("--badput-target-percent", "badput_target_percent"),
+    "crash_share": ("--crash-share", "crash_share"),
+}
+# Without a flag or a config, an assumption: half of the interruptions are crashes.
+ASSUMED = {"crash_share": Inputs.__dataclass_fields__["crash_share"].default}
+
+MEASURED_FIELDS = ("step_seconds", "blocking_seconds", "commit_latency_seconds")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {PACKAGE}.plan",
+        description="Plan the checkpoint interval from the time between interruptions, the step "
+        "time and the save time, and show the expected badput. Inputs not given as flags come "
+        "from measured metrics (--metrics: T, δ, L) or from the config's `plan:` section.",
+        epilog="Overrides are key=value pairs for the config, e.g. plan.mtbi_hours=4; exit "
+        "status 2: bad flags or configuration.",
+    )
+    num = {"type": float, "default": None}
+    parser.add_argument("--mtbi-hours", metavar="H", **num,
+                        help="mean time between interruptions, hours")
+    parser.add_argument("--step-seconds", metavar="T", **num, help="time of one optimizer step")
+    parser.add_argument("--blocking-seconds", metavar="D", **num,
+                        help="time one save blocks training (δ)")
+    parser.add_argument("--commit-latency-seconds", metavar="L", **num,
+                        help="from save start until it is committed (L >= δ; "
+                             "sync saves: L = δ; default: δ)")
+    parser.add_argument("--restart-seconds", metavar="R", **num,
+                        help="from an interruption until training runs again")
+    parser.add_argument("--badput-target-percent", metavar="P", **num,
+                        help="share of machine time you accept losing, percent (0-100)")
+    parser.add_argument("--crash-share", metavar="C", **num,
+                        help="assumed share of interruptions that are crashes, restarted in "
+                             "place, rather than preemptions, rescheduled (0-1; default 0.5)")
+    parser.add_argument("--in-place-restart-seconds", metavar="R_IN", **num,
+                        help="from a crash until training runs again after torchrun restarted "
+                             "the workers in place (default: measured by --metrics)")
+    parser.add_argument("--metrics", metavar="FILE",
+                        help="metrics.jsonl (or its folder) from training: T, δ and L are its "
+                             "medians")
+    parser.add_argument("--config", metavar="PATH",
+                        help="config with a `plan:` section "
+                             f"(default: {DEFAULT_CONFIG} if present)")
+    parser.add_argument("--write", metavar="CHECKLIST",
+                        help="refresh the measured section of this checklist in place "
+                             "(needs --metrics), e.g. docs/CHECKLIST.md")
+    parser.add_argument("--plot", metavar="FILE",
+                        help="write a plot of badput against the interval (.png or .svg)")
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides, e.g. plan.restart_s=300")
+    return parser
+
+
+def read_config(path: str | None, overrides: list[str]) -> Config | None:
+    """The checked config; None when none was named and there is no configs/train.yaml here."""
+    if path is None and not overrides and not DEFAULT_CONFIG.is_file():
+        return None
+    return load_config(path, overrides)  # ConfigError names the key at fault
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.write and not args.metrics:
+        parser.error("--write needs --metrics: it records what training measured")
+    if args.plot and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
+        parser.error(f"argument --plot: the file name must end in .png or .svg (got {args.plot})")
+
+    try:
+        config = read_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    config_path = args.config or str(DEFAULT_CONFIG)
+
+    measured = None
+    if args.metrics:
+        try:
+            measured = read_metrics(args.metrics)
+        except (MetricsError, OSError) as exc:
+            parser.error(f"argument --metrics: {exc}")
+
+    values, origins = resolve_inputs(args, config, config_path, measured, parser)
+    inputs = Inputs(**values)
+    in_place = args.in_place_restart_seconds
+    if in_place is None and measured is not None:
+        in_place = measured.in_place_restart_seconds
+    origins["in_place_restart_seconds"] = "--in-place-restart-seconds"
+    try:
+        plan = make_plan(inputs, in_place)
+    except PlanInputError as exc:
+        flag = FLAGS[exc.field][0] if exc.field in FLAGS else "--in-place-restart-seconds"
+        parser.error(f"argument {flag}: {exc.message}"
+                     + ("" if origins[exc.field] == flag else f" (from {origins[exc.field]})"))
+
+    # What the config planned with and its interval, shown beside the measurements.
+    planned = configured = None
+    if config is not None:
+        planned = Inputs(**{field: getattr(config.plan, key) for field, (_, key) in FLAGS.items()})
+        configured = config.checkpoint.interval_steps
+
+    if args.json:
+        payload = to_json(plan)
+        if measured is not None:
+            payload["measured"] = dataclasses.asdict(measured)
+            payload["planned"] = None if planned is None else dataclasses.asdict(planned)
+            payload["configured_interval_steps"] = configured
+            payload["configured_badput_percent"] = (
+                None if configured is None
+                else 100 * badput(configured * inputs.step_seconds, inputs))
+        print(json.dumps(payload, ensure_ascii=False))
+    else:
+        print(format_plan(plan))
+        if measured is not None:
+            print()
+            print(render_measured_section(plan, measured, planned, configured), end="")
+
+    if args.plot:
+        try:
+            plot_badput(plan, args.plot)
+        except PlotUnavailable as exc:
+            print(f"plan: {exc}", file=sys.stderr)
+            return 1
+        print(f"plan: wrote {args.plot}", file=sys.stderr)
+    if args.write:
+        target = Path(args.write)
+        try:
+            document = target.read_text(encoding="utf-8")
+            lang = checklist_language(document)
+            section = render_measured_section(plan, measured, planned, configured, lang)
+            write_atomically(target, replace_measured_section(document, section))
+        except (OSError, ValueError) as exc:
+            parser.error(f"argument --write: {target}: {exc}")
+        print(f"plan: refreshed the measured section of {target}", file=sys.stderr)
+    return 0
+
+
+def resolve_inputs(args, config: Config | None, config_path: str, measured, parser):
+    """Each input from its flag, else from the measurements, else from the config."""
+    values, origins = {}, {}
+    for field, (flag, key) in FLAGS.items():
+        flag_value = getattr(args, field)  # argparse dest == Inputs field name
+        if flag_value is not None:
+            values[field], origins[field] = flag_value, flag
+        elif measured is not None and field in MEASURED_FIELDS:
+            values[field], origins[field] = getattr(measured, field), f"--metrics {measured.path}"
+        elif field == "commit_latency_seconds" and origins.get("blocking_seconds") == \
+                FLAGS["blocking_seconds"][0]:
+            # δ given by hand and L not: treat it as a synchronous save (L = δ).
+            values[field], origins[field] = values["blocking_seconds"], "--blocking-seconds"
+        elif config is not None:
+            values[field], origins[field] = getattr(config.plan, key), f"plan.{key} in {config_path}"
+        elif field in ASSUMED:
+            values[field], origins[field] = ASSUMED[field], "an assumption"
+        else:
+            parser.error(f"missing {flag} (no {DEFAULT_CONFIG} here; pass the flag or "
+                         "--config PATH)")
+    return values, origins

@@ -1,0 +1,306 @@
+"""Restart training from the newest complete checkpoint, on this or another number of GPUs.
+
+    python -m <package>.resume [--nproc-per-node M|auto] [--nnodes N]
+                               [--rdzv-endpoint HOST:PORT] [--rdzv-id ID]
+                               [--config PATH] [--dry-run] [key=value ...]
+
+It finds the newest checkpoint that committed completely (damaged ones are skipped with
+a warning), prints what changes (world size, gradient accumulation) and what does not
+(step, global batch), then runs torchrun with the training command. Launchers and
+schedulers call this script, so a restart after a preemption is always the same line,
+whatever the number of GPUs the new allocation has.
+
+``--nproc-per-node auto`` means the number of CUDA GPUs of this node, or 1 without CUDA
+(torchrun's own ``auto`` would take every CPU core, which rarely divides the batch).
+
+Exit status: 0 training finished; ``preemption.exit_code`` (75 by default) training was
+preempted and can be resumed: run this script again; 2 bad configuration or a world
+size that cannot keep the global batch (nothing was started); 73 the last state is not
+saved; 79 starts keep failing without progress: do NOT run it again before the cause is
+fixed (docs/RECOVERY.md); 130 stopped by the user; otherwise torchrun's status (1:
+workers crashed more often than ``recovery.max_restarts`` in-place restarts allow;
+128+N: torchrun was killed by signal N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .. import PACKAGE
+from ..checkpoint import Committed, compat, newest_complete_checkpoint, open_storage
+from ..checkpoint.lease import Lease, LeaseHeld
+from ..checkpoint.storage import Storage
+from ..config import Config, ConfigError, PreemptionConfig, load_config
+from ..loop.sampling import BatchSizeError, split_global_batch
+from ..loop.task_contract import check_config, load_task
+from ..runtime import exit_codes
+from ..runtime.metrics import Event, read_events
+from .command import positive_int, torchrun_command
+
+# Forwarded to torchrun even when preemption.signals does not list them: Ctrl-C and the
+# signals schedulers use to announce the end of an allocation.
+ALWAYS_FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where training resumes and how the global batch is split on the new world size."""
+
+    step: int
+    checkpoint: str | None
+    saved_world_size: int | None
+    saved_grad_accum_steps: int | None
+    world_size: int
+    grad_accum_steps: int
+    global_batch_size: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    def describe(self, micro_batch_size: int, checkpoint_dir: str) -> str:
+        now = (f"{self.world_size} rank(s) x micro-batch {micro_batch_size} x gradient "
+               f"accumulation {self.grad_accum_steps} = global batch {self.global_batch_size}")
+        if self.checkpoint is None:
+            return f"resume: no complete checkpoint in {checkpoint_dir}: starting fresh on {now}"
+        return (f"resume: step {self.step} from {self.checkpoint}\n"
+                f"  saved on {self.saved_world_size} rank(s), gradient accumulation "
+                f"{self.saved_grad_accum_steps}\n  now {now}")
+
+
+def resume_point(cfg: Config, checkpoint: Committed | None, world_size: int) -> ResumePoint:
+    """Where ``world_size`` ranks resume; raises BatchSizeError when the batch cannot split."""
+    split = split_global_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                               world_size)
+    record = checkpoint.record if checkpoint is not None else {}
+    return ResumePoint(
+        step=checkpoint.step if checkpoint is not None else 0,
+        checkpoint=checkpoint.path if checkpoint is not None else None,
+        saved_world_size=record.get("world_size"),
+        saved_grad_accum_steps=record.get("grad_accum_steps"),
+        world_size=world_size,
+        grad_accum_steps=split.grad_accum_steps,
+        global_batch_size=split.global_batch_size,
+    )
+
+
+def _refuse_another_models_checkpoint(cfg: Config, storage: Storage,
+                                     checkpoint: Committed) -> None:
+    """Raise ValueError when the checkpoint's model is not this configuration's model.
+
+    The model is built on the meta device (no memory, no weights) for its shapes.
+    """
+    import torch
+
+    with torch.device("meta"):
+        model = load_task().build_model(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    try:
+        saved = compat.saved_model_shapes(storage, checkpoint.name)
+    except (OSError, RuntimeError):
+        return  # unreadable: training falls back to an older checkpoint and says so
+    differences = compat.differences(saved, shapes, checkpoint.record.get("config", {}).get(
+        "model"), cfg.model)
+    if differences:
+        raise ValueError(f"checkpoint {checkpoint.path} was saved from another model: "
+                         + "; ".join(differences) + ". Restore the model: settings it was "
+                         "trained with (its commit.json has them) or use another checkpoint.dir")
+
+
+def batch_change_warning(cfg: Config, checkpoint: Committed | None) -> str | None:
+    """A changed global batch is allowed, but the run then no longer continues the saved one."""
+    saved = checkpoint.record.get("global_batch_size") if checkpoint is not None else None
+    if saved is None or saved == cfg.train.global_batch_size:
+        return None
+    return (f"warning: the checkpoint was trained with train.global_batch_size={saved}, the "
+            f"config now says {cfg.train.global_batch_size}: the data position and the "
+            "learning-rate step carry over, but this is no longer an exact continuation")
+
+
+# ------------------------------------------------------------- command line --
+def nproc_per_node(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return positive_int(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive integer or 'auto' (got {value!r})") from None
+
+
+def node_count(value: str) -> int:
+    try:
+        return positive_int(value)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{exc}; elastic ranges such as 1:4 are not supported because the batch split "
+            "needs a fixed world size") from None
+
+
+def auto_nproc() -> int:
+    """CUDA GPUs of this node, else one process (see the module docstring)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {PACKAGE}.resume",
+        description="Resume training from the newest complete checkpoint on any number of "
+                    "GPUs: the global batch, learning-rate step and data order carry over, "
+                    "gradient accumulation is recomputed.",
+        epilog="Exit status: 0 finished; preemption.exit_code (75) preempted, run again; "
+               "2 refused (bad config or world size); 73 last state not saved; 79 no "
+               "progress, do not retry; 130 interrupted; else torchrun's status.",
+    )
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=nproc_per_node,
+                        default="auto", metavar="M|auto",
+                        help="processes on this node (default auto: CUDA GPUs, else 1)")
+    parser.add_argument("--nnodes", type=node_count, default=1, metavar="N",
+                        help="number of nodes (default 1); more need --rdzv-endpoint")
+    parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None,
+                        metavar="HOST:PORT", help="rendezvous address shared by all nodes")
+    parser.add_argument("--rdzv-id", "--rdzv_id", default=None, metavar="ID",
+                        help="rendezvous id, the same on all nodes of one job")
+    parser.add_argument("--config", default=None, help="YAML config (default configs/train.yaml)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print where training would resume as one JSON line on stdout and exit")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides, passed on to training")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Warnings (e.g. a damaged checkpoint being skipped) go to stderr; stdout stays clean
+    # for --dry-run's JSON.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_config(load_task(), cfg)  # the task's own sections, before torchrun starts
+        storage = open_storage(cfg.checkpoint.dir)
+        nproc = auto_nproc() if args.nproc_per_node == "auto" else args.nproc_per_node
+        train_args = (["--config", args.config] if args.config else []) + list(args.overrides)
+        command = torchrun_command("train", train_args, cfg.preemption, nproc_per_node=nproc,
+                                   max_restarts=cfg.recovery.max_restarts,
+                                   nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint,
+                                   rdzv_id=args.rdzv_id)
+        checkpoint = newest_complete_checkpoint(storage, verify=cfg.checkpoint.verify.value)
+        if checkpoint is not None:
+            _refuse_another_models_checkpoint(cfg, storage, checkpoint)
+        if not args.dry_run:  # one writer per directory: refuse before starting torchrun
+            Lease(storage, stale_s=cfg.checkpoint.lease_stale_s,
+                  wait_s=cfg.checkpoint.lease_wait_s).acquire(take=False)
+        point = resume_point(cfg, checkpoint, nproc * args.nnodes)
+    # ValueError: the launch builder's refusals; RuntimeError: an object-store URL
+    # whose driver is not installed.
+    except (ConfigError, BatchSizeError, LeaseHeld, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+
+    human = sys.stderr if args.dry_run else sys.stdout
+    print(point.describe(cfg.train.micro_batch_size, str(storage)), file=human)
+    warning = batch_change_warning(cfg, checkpoint)
+    if warning:
+        print(warning, file=sys.stderr)
+    print(f"  command: {shlex.join(command)}", file=human, flush=True)
+    if args.dry_run:
+        print(point.to_json(), flush=True)
+        return 0
+    return supervise(command, storage, checkpoint, cfg.preemption, Path(cfg.log.dir))
+
+
+# ---------------------------------------------------------------- supervise --
+def supervise(command: list[str], storage: Storage, before: Committed | None,
+              preemption: PreemptionConfig, log_dir: Path) -> int:
+    """Run torchrun, forward signals to it, and translate its exit status."""
+    launched_at = time.time()
+    forwarded: list[str] = []
+    pending: list[int] = []
+    proc: subprocess.Popen | None = None
+
+    def forward(signum: int, _frame) -> None:
+        forwarded.append(signal.Signals(signum).name)
+        if proc is None:
+            pending.append(signum)      # arrived while torchrun was starting
+        elif proc.poll() is None:
+            proc.send_signal(signum)
+
+    names = dict.fromkeys([*ALWAYS_FORWARDED, *preemption.signals])
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.Signals[n] for n in names)}
+    try:
+        proc = subprocess.Popen(command)
+        for signum in pending:
+            proc.send_signal(signum)
+        returncode = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return exit_status(returncode, storage, before, preemption, forwarded,
+                       stopped_by_notice=preemption_logged_since(log_dir, launched_at),
+                       training_status=training_status_since(log_dir, launched_at))
+
+
+def preemption_logged_since(log_dir: Path, since: float) -> bool:
+    """Whether training logged a preemption stop after ``since`` (e.g. a cloud notice
+    that needed no new checkpoint because the newest one was already at that step)."""
+    return bool(read_events(log_dir, Event.preemption, since=since)[0])
+
+
+def training_status_since(log_dir: Path, since: float) -> tuple[int, str] | None:
+    """The exit status training decided and logged (its ``end`` event) after ``since``.
+
+    torchrun reports 1 for any failed worker; the run's own verdict (2 refused, 73 not
+    saved, 79 no progress, ...) is in the log. After in-place restarts the last start's
+    ``end`` counts.
+    """
+    ends = read_events(log_dir, Event.end, since=since)[0]
+    return (int(ends[-1]["status"]), str(ends[-1].get("reason", ""))) if ends else None
+
+
+def exit_status(returncode: int, storage: Storage, before: Committed | None,
+                preemption: PreemptionConfig, forwarded: list[str],
+                stopped_by_notice: bool = False,
+                training_status: tuple[int, str] | None = None) -> int:
+    """0, ``preemption.exit_code`` when the run was preempted, the status training logged
+    when it refused to run (2), could not save its last state (73), stopped retrying
+    because starts kept failing without progress (79) or was interrupted by the user
+    (130), else torchrun's.
+
+    torchrun exits 1 after any signal, even when the workers saved and stopped cleanly,
+    so its status alone cannot tell a preemption from a crash. A run was preempted when
+    a checkpoint with reason "preemption" committed during this launch, when this
+    process itself received (and forwarded) one of ``preemption.signals``, or when
+    training logged a preemption stop during this launch.
+    """
+    if returncode == 0:
+        return 0
+    if training_status is not None and training_status[0] in exit_codes.FINAL:
+        status, reason = training_status
+        print(f"resume: training ended with exit status {status}: {reason}", file=sys.stderr,
+              flush=True)
+        return status
+    after = newest_complete_checkpoint(storage, verify="none")  # sizes: quick, in the grace
+    new_preemption_save = (after is not None and after.record.get("reason") == "preemption"
+                           and (before is None or (after.name, after.record)
+                                != (before.name, before.record)))
+    signalled = [name for name in forwarded if name in preemption.signals]
+    if new_preemption_save or signalled or stopped_by_notice:
+        why = (f"checkpoint step {after.step} committed on preemption" if new_preemption_save
+               else f"{signalled[0]} received" if signalled
+               else "training logged a preemption stop")
+        print(f"resume: preempted ({why}); exit {preemption.exit_code}: run resume again",
+              file=sys.stderr, flush=True)
+        return preemption.exit_code
+    # A negative status means torchrun died of a signal; report it the way shells do.
+    return 128 - returncode if returncode < 0 else returncode

@@ -1,0 +1,264 @@
+"""Train, resuming from the newest complete checkpoint when there is one.
+
+    torchrun --nproc-per-node 2 -m <package>.train [--config PATH] [key=value ...]
+    python -m <package>.train [key=value ...]          (one process, no torchrun)
+
+Exit status: 0 finished, ``preemption.exit_code`` (75 by default) stopped by a
+preemption signal or notice (run again: the newest committed checkpoint holds the
+state), 73 the last state is not saved (the final checkpoint, or saves in a row,
+failed: fix the storage and run again), 79 starts keep failing without progress (do not
+retry: fix the cause), 2 bad configuration or a task that breaks its contract, 1
+crashed, 124 this rank's watchdog found a hung step. See docs/PREEMPTION.md and
+docs/RECOVERY.md.
+
+Under torchrun with ``--max-restarts`` (``recovery.max_restarts``) a crash or a hang
+restarts all workers in place; a status training decides (all of the above but 1 and
+124) must end the job instead, so local rank 0 then asks torchrun to stop (SIGTERM to
+it) before exiting, and ``resume`` reports the status from the ``end`` event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import PACKAGE
+from ..checkpoint import (
+    Checkpointer,
+    CheckpointRefused,
+    CheckpointUnusable,
+    IncompatibleCheckpoint,
+    newest_complete_checkpoint,
+    open_storage,
+)
+from ..checkpoint.background import stop_background_processes
+from ..config import Config, ConfigError, load_config
+from ..preemption.stop import StopCoordinator
+from ..preemption.watch import PreemptionWatch, effective_grace_s, start_notice_poller
+from ..recovery.attempts import FAILURES, Attempt, cause, gather_previous
+from ..recovery.progress_guard import ProgressGuard
+from ..recovery.watchdog import StepWatchdog
+from ..runtime import exit_codes
+from ..runtime.distributed import Runtime, decide_on_rank0, setup, teardown
+from ..runtime.exit_codes import error_line
+from ..runtime.metrics import Event, MetricsLog, append_event
+from .sampling import BatchSizeError
+from .task_contract import load_task
+from .trainer import TaskError, Trainer
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {PACKAGE}.train",
+        description="Train with asynchronous sharded checkpoints; resumes automatically.",
+        epilog="Overrides are key=value pairs, e.g. train.max_steps=500 checkpoint.dir=/ckpt",
+    )
+    parser.add_argument("--config", default=None, help="YAML config (default configs/train.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # torch's own INFO chatter stays off the console
+        handler.addFilter(lambda r: r.levelno >= logging.WARNING or "torch" not in r.pathname)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+
+    watch = PreemptionWatch(cfg.preemption.signals)
+    watch.install()  # before anything slow, so an early signal is not lost
+    try:  # a fatal error (a segmentation fault) prints every thread's stack
+        faulthandler.enable(all_threads=True)
+    except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor
+        pass
+    runtime = setup(cfg.distributed.backend, cfg.recovery.collective_timeout_s)
+    # How the previous start ended, on every rank, before this one writes its own record.
+    attempt = Attempt(cfg.log.dir, runtime.rank)
+    previous = cause(gather_previous(attempt, runtime.world_size))
+    attempt.begin()
+    # Cloud notices (preemption.notice_source) feed the same watch as signals.
+    poller = start_notice_poller(cfg.preemption, watch, runtime.local_rank)
+    metrics = MetricsLog(cfg.log.dir if runtime.is_main else None)
+    grace = effective_grace_s(cfg.preemption)
+    if grace < cfg.preemption.grace_period_s:
+        metrics.say(f"notice: preemption.grace_period_s={cfg.preemption.grace_period_s:g} is "
+                    f"longer than {cfg.preemption.notice_source.value}'s notice window; the "
+                    f"final save is planned against {grace:g} s")
+    stop = StopCoordinator(watch, runtime, metrics, grace)
+    watchdog = _watchdog(cfg, runtime, attempt)
+    checkpointer: Checkpointer | None = None
+    try:
+        try:
+            checkpointer = Checkpointer.open(cfg, runtime, metrics, stop, allow=watchdog.allow)
+            code, reason = _train(cfg, runtime, checkpointer, watchdog, metrics, attempt,
+                                  previous)
+        except CheckpointRefused as exc:
+            code, reason = _refuse(exc)
+        except BaseException as exc:
+            attempt.crashed(exc)
+            metrics.event(Event.end, status=exit_codes.FAILED,
+                          reason=f"crashed: {error_line(exc)}", restart=attempt.restart)
+            raise
+        attempt.ended(code, reason)
+        metrics.event(Event.end, status=code, reason=reason, restart=attempt.restart)
+        _no_restart_in_place(code, stop, runtime, attempt)
+    finally:
+        if poller is not None:
+            poller.stop()
+        abandoned = checkpointer.release() if checkpointer is not None else False
+        metrics.close()
+        if abandoned:
+            # A background save was given up: its thread may wait on a dead peer for half
+            # an hour. Leave now, with the status decided, and take no child along.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            stop_background_processes()
+            os._exit(code if "code" in locals() else exit_codes.FAILED)
+        teardown()
+        # Last: a signal that comes while shutting down is only counted, never kills.
+        watch.uninstall()
+    return code
+
+
+def _refuse(reason: object) -> tuple[int, str]:
+    print(f"error: {reason}", file=sys.stderr)
+    return exit_codes.BAD_INPUT, str(reason)
+
+
+def _no_restart_in_place(code: int, stop: StopCoordinator, runtime: Runtime,
+                         attempt: Attempt) -> None:
+    """A status training decided ends the job: torchrun, which restarts the workers in
+    place on any non-zero exit, is asked to stop (SIGTERM: it then stops every worker
+    and exits 1; ``resume`` reads the status from the ``end`` event).
+
+    Local rank 0 asks, once per node, right after the decision and before its own
+    clean-up (its signal handler still counts the SIGTERM torchrun sends back). Not
+    needed when torchrun has no restart left, is gone, or was signalled itself (a
+    scheduler's or the user's signal reaches torchrun first: it is stopping already).
+    """
+    launcher = stop.launcher_pid
+    if (code == exit_codes.OK or runtime.local_rank != 0 or launcher is None
+            or os.getppid() != launcher or attempt.restarts_left == 0):
+        return
+    request = stop.watch.requested
+    if request is not None and request.source.startswith("SIG"):
+        return
+    print(f"exit status {code} was decided by training, not a failure: asking torchrun "
+          f"(pid {launcher}) to stop instead of restarting the workers in place "
+          "(its SignalException below is that)", file=sys.stderr, flush=True)
+    os.kill(launcher, signal.SIGTERM)
+
+
+def _guard_progress(cfg: Config, runtime: Runtime, attempt: Attempt,
+                    previous: dict[str, Any] | None) -> tuple[int, str | None]:
+    """The no-progress guard (rank 0 decides, every rank learns): the failed starts in a
+    row, and why this start must not run (None: it may)."""
+    def verdict() -> tuple[int, str | None]:
+        storage = open_storage(cfg.checkpoint.dir)
+        newest = newest_complete_checkpoint(storage, verify="none")
+        step = newest.step if newest is not None else None
+        attempt.begin(newest_step=-1 if step is None else step)  # the next start compares
+        return ProgressGuard(storage, cfg.recovery.max_attempts_without_progress).on_start(
+            step, previous)
+
+    return decide_on_rank0(verdict)
+
+
+def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, watchdog: StepWatchdog,
+           metrics: MetricsLog, attempt: Attempt,
+           previous: dict[str, Any] | None) -> tuple[int, str]:
+    """Train; returns the exit status and, for the log, why."""
+    failed_starts, no_progress = _guard_progress(cfg, runtime, attempt, previous)
+    if no_progress is not None:
+        if runtime.is_main:
+            print(f"error: {no_progress}", file=sys.stderr, flush=True)
+        metrics.say(f"exit status {exit_codes.NO_PROGRESS}: do not retry")
+        return exit_codes.NO_PROGRESS, no_progress
+    try:
+        trainer = Trainer(cfg, load_task(), runtime, checkpointer, metrics, watchdog)
+    except (ConfigError, BatchSizeError) as exc:
+        return _refuse(exc)
+    attempt.progress = trainer.progress
+    try:
+        resumed = trainer.resume()
+    except (IncompatibleCheckpoint, CheckpointUnusable) as exc:
+        return _refuse(exc)
+    failed = previous is not None and previous["kind"] in FAILURES
+    failed_at = previous.get("failed_at") if failed else None
+    metrics.event(Event.start, step=trainer.progress.step, world_size=runtime.world_size,
+                  grad_accum_steps=trainer.split.grad_accum_steps,
+                  resumed_from=resumed.path if resumed else None,
+                  saved_world_size=resumed.world_size if resumed else None,
+                  restart=attempt.restart, max_restarts=attempt.max_restarts,
+                  cause=previous, failed_starts=failed_starts,
+                  failure_to_start_s=time.time() - failed_at if failed_at else None)
+    if failed:
+        how = (f"restart {attempt.restart} of {attempt.max_restarts} in place" if
+               attempt.in_place else "start")
+        metrics.say(f"{how} after a failure: {previous['summary']}")
+    metrics.say(
+        f"{'resumed from ' + resumed.path if resumed else 'starting fresh'}: step "
+        f"{trainer.progress.step}, {runtime.world_size} rank(s) on {runtime.device.type}, "
+        f"gradient accumulation {trainer.split.grad_accum_steps}, "
+        f"checkpoints every {cfg.checkpoint.interval_steps} steps to {cfg.checkpoint.dir}")
+    if failed:
+        trainer.on_first_step = lambda step: _recovered(metrics, attempt, previous, step)
+    try:
+        outcome = trainer.run()
+    except TaskError as exc:
+        return _refuse(exc)
+    # Rank 0 commits after the others are done writing: nobody leaves before it has,
+    # or a launcher that ends the job on the first exit could cut the commit off.
+    if runtime.world_size > 1:
+        dist.barrier()
+    if outcome.status == "interrupted":
+        metrics.say(f"interrupted by the user at step {outcome.step}; exit status "
+                    f"{exit_codes.INTERRUPTED}: run again to resume")
+        return exit_codes.INTERRUPTED, "interrupted by the user"
+    if outcome.status == "preempted":
+        metrics.say(f"exit status {cfg.preemption.exit_code}: preempted, run again to resume")
+        return cfg.preemption.exit_code, "preempted"
+    if outcome.status == "not_saved":
+        reason = f"stopped at step {outcome.step} with its state NOT saved: {outcome.detail}"
+        metrics.say(f"{reason}; exit status {exit_codes.NOT_SAVED}: fix the storage and run "
+                    "again to resume")
+        return exit_codes.NOT_SAVED, reason
+    metrics.say(f"finished at step {outcome.step}")
+    return exit_codes.OK, "finished"
+
+
+def _recovered(metrics: MetricsLog, attempt: Attempt, previous: dict[str, Any],
+               step: int) -> None:
+    """The first step after a start that followed a failure: how long the failure cost."""
+    failed_at = previous.get("failed_at")
+    seconds = time.time() - failed_at if failed_at else None
+    metrics.event(Event.recovered, step=step, restart=attempt.restart,
+                  in_place=attempt.in_place, cause_kind=previous["kind"],
+                  failure_to_first_step_s=seconds)
+    if seconds is not None:
+        metrics.say(f"recovered: step {step} done {seconds:.1f} s after the failure"
+                    f"{' (restarted in place)' if attempt.in_place else ''}")
+
+
+def _watchdog(cfg: Config, runtime: Runtime, attempt: Attempt) -> StepWatchdog:
+    def on_hang(step: int | None, waited_s: float, bound_s: float) -> None:
+        attempt.hung(waited_s, bound_s)
+        append_event(cfg.log.dir, Event.hang, rank=runtime.rank, step=step,
+                     waited_s=waited_s, timeout_s=bound_s, restart=attempt.restart)
+        stop_background_processes()   # os._exit follows: leave no child behind
+
+    return StepWatchdog(rank=runtime.rank, step_timeout_s=cfg.recovery.step_timeout_s,
+                        first_step_timeout_s=cfg.recovery.first_step_timeout_s,
+                        on_hang=on_hang)

@@ -1,0 +1,83 @@
+"""The stop protocol: every rank stops at the same step.
+
+Requests come from the preemption watch (signals, cloud notices). At each step boundary
+the ranks ``vote`` with one small all-reduce, so that they all stop at the same step
+even when only one of them was told. What is saved at the stop (drain the save in
+flight, a final checkpoint if the grace period allows) is the checkpointer's decision
+(``checkpoint.policy``): preemption is one more reason to save.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.distributed import Runtime
+from ..runtime.metrics import MetricsLog
+from .watch import PreemptionWatch
+
+
+@dataclass(frozen=True)
+class Vote:
+    """What all ranks agreed at a step boundary."""
+
+    stop_at: float | None   # wall time of the earliest stop request on any rank, or None
+    failed_saves: int       # the most failed saves on any rank, this run
+
+
+class StopCoordinator:
+    def __init__(self, watch: PreemptionWatch, runtime: Runtime, metrics: MetricsLog,
+                 grace_period_s: float) -> None:
+        self.watch = watch
+        self.runtime = runtime
+        self.metrics = metrics
+        self.grace_period_s = grace_period_s
+        # Under torchrun the parent is the launcher; it must outlive its workers.
+        self.launcher_pid = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+    @property
+    def requested(self) -> bool:
+        return self.watch.requested is not None
+
+    def vote(self, failed_saves: int = 0) -> Vote:
+        """One small all-reduce at a step boundary, so that every rank decides alike.
+
+        Carries the wall-clock time of the earliest stop request on any rank and the most
+        failed saves on any rank. A worker whose launcher (torchrun) has gone asks for a
+        stop here too: workers never train on as orphans.
+        """
+        if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
+            self.watch.request("launcher-gone", f"the parent process {self.launcher_pid} "
+                                                "(torchrun) has exited")
+        request = self.watch.requested
+        earliest = request.wall_time if request is not None else math.inf
+        failed = float(failed_saves)
+        if self.runtime.world_size > 1:
+            tensor = torch.tensor([earliest, -failed], dtype=torch.float64)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN)  # MIN of -failed is -(the most)
+            earliest, failed = float(tensor[0]), -float(tensor[1])
+        return Vote(None if math.isinf(earliest) else earliest, int(failed))
+
+    @property
+    def signals_received(self) -> int:
+        return self.watch.count
+
+    def agreed_source(self, step: int) -> tuple[str, int, str, list[int]]:
+        """Source, rank and detail of the earliest request, and every rank's step.
+
+        A collective, run once when stopping: rank 0 logs what reached another rank
+        first, and the steps show that all ranks stopped at the same one.
+        """
+        request = self.watch.requested
+        mine = ((request.wall_time, request.source, request.detail) if request is not None
+                else (math.inf, "", "")) + (step,)
+        every: list = [mine]
+        if self.runtime.world_size > 1:
+            every = [None] * self.runtime.world_size
+            dist.all_gather_object(every, mine)
+        rank = min(range(len(every)), key=lambda r: every[r][0])
+        return every[rank][1], rank, every[rank][2], [entry[3] for entry in every]

@@ -1,0 +1,130 @@
+"""Process group and device, set up once per process, and the collectives every part shares."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# The process group's default bound on one collective (recovery.collective_timeout_s).
+DEFAULT_COLLECTIVE_TIMEOUT_S = 900.0
+
+
+def setup(backend: str = "auto",
+          collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Runtime:
+    """Join (or, without torchrun, create) the process group and pick the device.
+
+    ``backend`` is distributed.backend: auto (nccl with CUDA, gloo otherwise), nccl or gloo.
+
+    Run without torchrun, the process makes itself a one-rank group, so the same code
+    path (FSDP2, DCP, the background checkpoint process) serves both cases.
+
+    ``collective_timeout_s`` bounds each collective (gloo; NCCL with its async error
+    handling). It is longer than the step watchdog's bound on purpose: outside the
+    training loop collectives wait legitimately for minutes (rank 0 checksumming the
+    checkpoint before the broadcast of its choice, the commit barrier, a synchronous
+    final save), and inside the loop the watchdog fires first, with every thread's
+    stack, instead of a bare timeout error (docs/RECOVERY.md).
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    # DCP's background checkpoint processes then share this job's store (under a prefix)
+    # instead of opening an unauthenticated TCPStore of their own on every interface.
+    os.environ.setdefault("DCP_USE_PREFIX_STORE", "1")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    backend = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        # CPU collectives are needed for the preemption vote and DCP's own coordination
+        # even when training uses NCCL.
+        pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
+        dist.init_process_group(pg_backend,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+    return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- collectives --
+# Every part of the harness that must decide alike on every rank uses these two: one
+# rank decides what only it knows (what committed, which checkpoint to load, whether
+# the lease is held), or every rank reports a flag and all learn whether any raised it.
+
+def _several_ranks() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def decide_on_rank0(decide: Callable[[], T]) -> T:
+    """Rank 0 runs ``decide()``; every rank returns its value, or raises its exception.
+
+    The other ranks never call ``decide``. An exception on rank 0 is sent to every rank
+    (as a RuntimeError with its message when it cannot be pickled) and raised there too,
+    so no rank is left waiting for a decision that never comes.
+    """
+    if not _several_ranks():
+        return decide()
+    box: list = [None, None]   # the value, the exception
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = decide()
+        except Exception as exc:  # noqa: BLE001 - raised again below, on every rank
+            failure = exc
+            try:
+                pickle.dumps(exc)
+                box[1] = exc
+            except Exception:  # noqa: BLE001 - an exception that does not pickle
+                box[1] = RuntimeError(f"on rank 0: {type(exc).__name__}: {exc}")
+    dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    if box[1] is not None:
+        raise box[1]
+    return box[0]
+
+
+def any_rank(*flags: bool) -> tuple[bool, ...]:
+    """Each flag, true on every rank when it is true on any rank (one small all-reduce)."""
+    if not _several_ranks():
+        return tuple(bool(f) for f in flags)
+    tensor = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tuple(bool(v) for v in tensor.tolist())

@@ -1,0 +1,356 @@
+"""Checkpoint performance against what the machine allows, measured in one run.
+
+    torchrun --nproc-per-node 2 -m <package>.bench [--repeats 3] [--json] [key=value ...]
+    torchrun --nproc-per-node 2 -m <package>.bench --train-steps 50 [--interval 10]
+
+Every figure is a median over ``--repeats``, on this configuration's real model and
+optimizer state, with the same bytes, in the same run (so a busy machine moves all of
+them alike):
+
+- ``copy_bound``: copy this rank's state into preallocated host memory (pinned on CUDA,
+  shared memory on CPU in process mode): the floor of the staging copy;
+- ``async_blocking``: this project's save on the training path (the ``save`` call and
+  the staging copy); ``async_commit``: until the checkpoint is committed;
+- ``disk_bound``: every rank writes and fsyncs as many bytes as its shard, in parallel;
+- ``baseline``: gather the full state on rank 0, ``torch.save`` it and fsync (the
+  common way); ``dcp_sync``: a plain ``dcp.save``;
+- ``load``: load the newest checkpoint through the resume path (``CheckpointManager.load``)
+  and ``verify``: rank 0's checksum check before it; ``read_bound``: every rank reads
+  the bytes of its own shard; ``baseline_load``: rank 0 ``torch.load`` and a broadcast.
+  The checkpoint's files are dropped from the page cache first, as on a fresh machine;
+- ``stall``: in a training loop (the trainer's step, the save policy), the median time
+  of steps that start a save minus that of steps with no save in flight.
+
+``--train-steps N`` instead trains N steps without and N steps with checkpointing every
+``--interval`` steps, ``--repeats`` times alternately, and prints the throughput ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .. import PACKAGE
+from ..checkpoint import CheckpointRefused
+from ..checkpoint.dcp_planner import TrainingStatePlanner
+from ..config import AsyncMode, ConfigError, load_config
+from ..loop.task_contract import load_task
+from ..runtime import exit_codes
+from ..runtime.distributed import Runtime, any_rank, decide_on_rank0, setup, teardown
+from .bench_loop import Bench, bench_config, build_trainer, measure_stall, measure_throughput
+from .bench_report import fmt, ratios, report_text, throughput_text
+
+
+class PlainDcpPlanner(TrainingStatePlanner):
+    """A plain ``dcp.save``'s planner: a class of its own, so that its cached plan and its
+    cache-hit count stay apart from the project's saves of the same state."""
+
+    cache_hits = 0
+
+
+def _timed(fn) -> float:
+    """Seconds ``fn`` takes on every rank, its CUDA work included (a barrier on the CPU
+    group does not wait for kernels still queued on the GPU)."""
+    _synchronize()
+    dist.barrier()
+    began = time.perf_counter()
+    fn()
+    _synchronize()
+    dist.barrier()
+    return time.perf_counter() - began
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _local_tensors(state: Any) -> list[torch.Tensor]:
+    """This rank's tensor data in the state, as staging copies it (local shards)."""
+    if isinstance(state, Stateful):
+        state = state.state_dict()
+    if isinstance(state, dict):
+        return [t for value in state.values() for t in _local_tensors(value)]
+    if isinstance(state, (list, tuple)):
+        return [t for value in state for t in _local_tensors(value)]
+    if isinstance(state, torch.Tensor):
+        return [state.to_local() if hasattr(state, "to_local") else state]
+    return []
+
+
+def _drop_from_page_cache(paths: list[Path]) -> None:
+    """Evict files from this machine's page cache, so that a read comes from the storage."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _read_file(path: Path, buffer: bytearray) -> int:
+    total = 0
+    with open(path, "rb", buffering=0) as handle:
+        while True:
+            got = handle.readinto(buffer)
+            if not got:
+                return total
+            total += got
+
+
+# ---------------------------------------------------------------------- main --
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=f"torchrun --nproc-per-node N -m {PACKAGE}.bench",
+        description=__doc__.split("\n\n")[0],
+        epilog=f"Run it under torchrun, on the GPUs (and the storage) training uses: "
+               f"torchrun --nproc-per-node 2 -m {PACKAGE}.bench. Every rank writes its "
+               f"own shard, so the figures depend on the number of ranks. What each figure "
+               f"means: docs/PERFORMANCE.md.")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure (>= 1)")
+    parser.add_argument("--dir", default=None,
+                        help="scratch directory on the storage to measure (default: a temp dir)")
+    parser.add_argument("--json", action="store_true", help="print one JSON line instead")
+    parser.add_argument("--train-steps", type=int, default=None, metavar="N",
+                        help="instead: train N steps without and N with checkpointing, "
+                             "print the throughput ratio")
+    parser.add_argument("--interval", type=int, default=None, metavar="K",
+                        help="with --train-steps: save every K steps "
+                             "(default checkpoint.interval_steps)")
+    parser.add_argument("--config", default=None, help="YAML config (default configs/train.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    for name in ("repeats", "train_steps", "interval"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return exit_codes.BAD_INPUT
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    mode = AsyncMode(cfg.checkpoint.async_mode)
+    if mode == AsyncMode.sync:
+        print("error: bench measures background saves: checkpoint.async_mode must be "
+              "process or thread", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    runtime = setup(cfg.distributed.backend)
+    root = Path(decide_on_rank0(lambda: args.dir or tempfile.mkdtemp(prefix="bench-")))
+    bench = None
+    try:
+        task = load_task()
+        try:
+            began = time.perf_counter()
+            bench = build_trainer(bench_config(cfg, root / "async"), task, runtime)
+        except (ConfigError, CheckpointRefused) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return exit_codes.BAD_INPUT
+        warm_up_s = time.perf_counter() - began
+        manager = bench.checkpointer.manager
+        if any_rank(bench.checkpointer.policy.synchronous)[0]:
+            print(f"error: {manager.last_error or 'the checkpoint process did not start'}",
+                  file=sys.stderr)
+            return exit_codes.BAD_INPUT
+        if args.train_steps is not None:
+            report = measure_throughput(
+                bench, args.train_steps, args.interval or cfg.checkpoint.interval_steps,
+                args.repeats, int(cfg.data.get("seq_len", 0)) or None)
+            manager.close()
+            report = {"world_size": runtime.world_size, "mode": mode.value, **report}
+            if runtime.is_main:
+                print(json.dumps(report) if args.json else throughput_text(report))
+            return 0
+        report = _measure(args, runtime, root, bench, mode)
+        report["warm_up_s"] = warm_up_s
+        if runtime.is_main:
+            print(json.dumps(report) if args.json else report_text(report))
+        return 0
+    finally:
+        if bench is not None:
+            bench.checkpointer.release()
+        if not args.dir and runtime.is_main:
+            shutil.rmtree(root, ignore_errors=True)
+        teardown()
+
+
+def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Bench,
+             mode: AsyncMode) -> dict[str, Any]:
+    trainer, manager = bench.trainer, bench.checkpointer.manager
+    model, optimizer, state = trainer.model, trainer.optimizer, trainer.state()
+    say = print if runtime.is_main and not args.json else (lambda *a, **k: None)
+    stager = getattr(manager, "_stager", None)   # closed (None) once the loop has finished
+    tensors = _local_tensors(state)
+    local_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    say(f"benchmarking on {runtime.world_size} rank(s), {args.repeats} repeats, "
+        f"{local_bytes / 2**20:.1f} MiB of state on rank 0, scratch {root}")
+    timings: dict[str, list[float]] = {}
+
+    def measure(name: str, fn, *, before=None) -> None:
+        fn(-1)  # warm-up: first-call costs (allocation, planning) are not the steady state
+        timings[name] = []
+        for i in range(args.repeats):
+            if before is not None:
+                before(i)
+            timings[name].append(_timed(lambda i=i: fn(i)))
+        say(f"  {name:<15} median {statistics.median(timings[name]):.3f} s")
+
+    # -- the floors: a host copy, a parallel write ---------------------------------
+    on_gpu = runtime.device.type == "cuda"
+    buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu) for t in tensors]
+    if not on_gpu and mode == AsyncMode.process:
+        buffers = [b.share_memory_() for b in buffers]
+
+    def copy_bound(_: int) -> None:
+        for buffer, tensor in zip(buffers, tensors):
+            buffer.copy_(tensor, non_blocking=on_gpu)
+        if on_gpu:
+            torch.cuda.synchronize(runtime.device)
+
+    measure("copy_bound", copy_bound)
+    buffers.clear()   # the memory goes back before the saves stage theirs
+    payload = os.urandom(1 << 20)
+
+    def disk_bound(i: int) -> None:
+        target = root / f"raw_{i}_{runtime.rank}.bin"
+        with open(target, "wb") as handle:
+            handle.writelines(payload for _ in range(max(1, -(-local_bytes >> 20))))
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    measure("disk_bound", disk_bound)
+
+    # -- the common ways -----------------------------------------------------------
+    def baseline(i: int) -> None:
+        full_model, full_optim = get_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if runtime.is_main:
+            target = root / f"baseline_{i}.pt"
+            torch.save({"model": full_model, "optim": full_optim}, target)
+            with open(target, "rb") as handle:
+                os.fsync(handle.fileno())
+
+    def dcp_sync(i: int) -> None:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(root / f"dcp_{i}", sync_files=True),
+                 planner=PlainDcpPlanner(enable_plan_caching=True))
+
+    measure("baseline", baseline)
+    measure("dcp_sync", dcp_sync)
+    cache_hits = PlainDcpPlanner.cache_hits
+
+    # -- this project's saves --------------------------------------------------------
+    timings["async_blocking"], timings["async_commit"] = [], []
+    first: dict[str, float] = {}
+    for i in range(args.repeats + 1):  # the first save of the run, then the timed ones
+        trainer.progress.step = 100 + i
+        dist.barrier()
+        manager.save(trainer.progress.step, state, "interval", trainer.commit_record())
+        manager.wait_staged()
+        result = manager.wait()
+        if any_rank(runtime.is_main and result is None)[0]:
+            raise RuntimeError(f"a save failed during the benchmark: {manager.last_error}")
+        if runtime.is_main:
+            if i == 0:
+                first = {"blocking_s": result.blocking_s, "commit_s": result.commit_latency_s}
+            else:
+                timings["async_blocking"].append(result.blocking_s)
+                timings["async_commit"].append(result.commit_latency_s)
+    for name in ("async_blocking", "async_commit"):
+        say(f"  {name:<15} median {statistics.median(timings[name] or [0]):.3f} s")
+
+    # -- loading -----------------------------------------------------------------------
+    checkpoint = decide_on_rank0(manager.newest)
+    files = sorted(Path(checkpoint.path).iterdir())
+    own = [Path(checkpoint.path) / f"__{runtime.rank}_0.distcp", Path(checkpoint.path) / ".metadata"]
+    evict = (lambda _: _drop_from_page_cache(files)) if runtime.is_main else None
+
+    def verify(_: int) -> None:
+        if runtime.is_main and manager.newest() is None:
+            raise RuntimeError("the newest checkpoint did not verify")
+
+    def load(_: int) -> None:
+        manager.load(state, checkpoint)
+
+    buffer = bytearray(8 << 20)
+
+    def read_bound(_: int) -> None:
+        for path in own:
+            _read_file(path, buffer)
+
+    measure("verify", verify, before=evict)
+    measure("load", load, before=evict)
+    measure("read_bound", read_bound, before=evict)
+    baseline_file = root / f"baseline_{args.repeats - 1}.pt"
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+    def baseline_load(_: int) -> None:
+        # Rank 0 reads the file and broadcasts it tensor by tensor; every rank keeps its
+        # shard. The other ranks' model state only says "not optimizer-only" (ignored).
+        if runtime.is_main:
+            full = torch.load(baseline_file, weights_only=True)
+            model_state, optim_state = full["model"], full["optim"]
+        else:
+            model_state, optim_state = get_model_state_dict(model), {}
+        set_state_dict(model, optimizer, model_state_dict=model_state,
+                       optim_state_dict=optim_state, options=options)
+
+    measure("baseline_load", baseline_load, before=(
+        (lambda _: _drop_from_page_cache([baseline_file])) if runtime.is_main else None))
+
+    # -- in a training loop ------------------------------------------------------------
+    commit_s = decide_on_rank0(lambda: statistics.median(timings["async_commit"]))
+    loop_figures = measure_stall(bench, args.repeats + 1, commit_s)
+    timings["stall"] = [loop_figures["stall"]] if loop_figures["stall"] is not None else []
+    say(f"  {'stall':<15} {fmt(loop_figures['stall'])} s (steps: {loop_figures['step_s']})")
+
+    if not runtime.is_main:   # the saves' results and the report are rank 0's
+        return {}
+    med = {name: statistics.median(values) if values else None
+           for name, values in timings.items()}
+    staged = (getattr(stager, "fast_stages", 0), getattr(stager, "full_stages", 0))
+    return {
+        "world_size": runtime.world_size,
+        "mode": mode.value,
+        "device": runtime.device.type,
+        "state_bytes_rank0": local_bytes,
+        "staging_bytes_per_rank": local_bytes,
+        "median_s": med,
+        "ratios": ratios(med),
+        "first_save": first,
+        "loop": loop_figures,
+        "baseline_over_dcp_sync": med["baseline"] / med["dcp_sync"],
+        "baseline_over_async_blocking": med["baseline"] / med["async_blocking"],
+        "dcp_sync_over_disk_bound": med["dcp_sync"] / med["disk_bound"],
+        "plan_cache_hits": cache_hits,
+        "plan_cache_possible": args.repeats,
+        "staged_fast": staged[0],
+        "staged_full": staged[1],
+        "repeats": args.repeats,
+    }

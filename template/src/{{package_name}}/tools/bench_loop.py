@@ -1,0 +1,144 @@
+"""The training the benchmark measures: the project's own trainer and checkpointer.
+
+``build_trainer`` builds a real ``loop.trainer.Trainer`` (the task's model, optimizer and
+data, wrapped as training wraps them) with a real ``Checkpointer`` on the benchmark's
+scratch directory, and trains one step so that the optimizer state exists. The loops
+below call the trainer's own ``train_step`` and the checkpointer's ``save`` at each step
+boundary (the stop vote included): the figures hold for training as it runs, not for a
+copy of it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch.distributed as dist
+
+from ..checkpoint import Checkpointer
+from ..config import Config
+from ..loop.task_contract import Task
+from ..loop.trainer import Trainer
+from ..preemption.stop import StopCoordinator
+from ..preemption.watch import PreemptionWatch
+from ..runtime.distributed import Runtime, decide_on_rank0
+from ..runtime.metrics import MetricsLog
+
+NEVER = 10**9   # an interval no step of the benchmark reaches (step numbers stay above 0)
+
+
+class Bench(NamedTuple):
+    trainer: Trainer
+    checkpointer: Checkpointer
+    batches: Iterator[Any]
+
+
+def bench_config(cfg: Config, root: Path) -> Config:
+    """The run's configuration, saving to the scratch directory, with no final step."""
+    return replace(cfg, train=replace(cfg.train, max_steps=NEVER),
+                   checkpoint=replace(cfg.checkpoint, dir=str(root), keep_last=1),
+                   log=replace(cfg.log, dir=str(root / "logs")))
+
+
+def build_trainer(cfg: Config, task: Task, runtime: Runtime) -> Bench:
+    """The trainer and checkpointer of this configuration after one optimizer step (so
+    that the optimizer state exists). No signal is ever asked for: the stop vote runs at
+    every boundary, as in training, and always says go on."""
+    metrics = MetricsLog(None)
+    grace = cfg.preemption.grace_period_s
+    stop = StopCoordinator(PreemptionWatch(cfg.preemption.signals), runtime, metrics, grace)
+    checkpointer = Checkpointer.open(cfg, runtime, metrics, stop)
+    trainer = Trainer(cfg, task, runtime, checkpointer, metrics)
+    trainer.resume()                               # a fresh directory: nothing to load
+    batches = trainer.micro_batches()
+    checkpointer.save(0)                           # the start: the checkpoint process
+    trainer.train_step(batches)
+    return Bench(trainer, checkpointer, batches)
+
+
+def run_steps(bench: Bench, first: int, count: int) -> list[tuple[float, str]]:
+    """Train ``count`` steps numbered from ``first``; time each from the end of the step
+    before: the checkpointer's turn after that step (commit, vote, maybe a save), then
+    this step, whose forward and backward pass overlap the staging copy of a save just
+    started. Returns (seconds, "save" | "in_flight" | "clean") per step."""
+    trainer, checkpointer = bench.trainer, bench.checkpointer
+    policy, manager = checkpointer.policy, checkpointer.manager
+    trainer.progress.step = first - 1
+    steps = []
+    for step in range(first, first + count):
+        began = time.perf_counter()
+        was_in_flight = manager.in_flight
+        checkpointer.save(step - 1)
+        trainer.train_step(bench.batches)
+        kind = "save" if policy.due(step - 1) else "in_flight" if was_in_flight else "clean"
+        steps.append((time.perf_counter() - began, kind))
+    return steps
+
+
+def measure_stall(bench: Bench, saves: int, commit_s: float) -> dict[str, Any]:
+    """Steps that start a save against steps with no save in flight, in one loop.
+
+    The interval leaves each save time to commit before the next is due (from the
+    measured commit time and step time), so a save-starting step holds the save's own
+    cost, not a wait for the previous one, and some steps run with no save in flight.
+    """
+    policy = bench.checkpointer.policy
+    policy.interval_steps = NEVER
+    warm = run_steps(bench, 2, 3)
+    step_s = decide_on_rank0(lambda: statistics.median([s for s, _ in warm[1:]]))
+    # Twice the commit time measured alone: in the loop the writer shares the machine.
+    interval = max(3, math.ceil(2 * commit_s / max(step_s, 1e-6)) + 2)
+    policy.interval_steps = interval
+    steps = run_steps(bench, interval + 1, interval * saves)
+    policy.interval_steps = NEVER
+    bench.checkpointer.manager.wait()
+    kinds = {kind: [s for s, k in steps if k == kind] for kind in ("save", "in_flight", "clean")}
+    med = {kind: statistics.median(v) if v else None for kind, v in kinds.items()}
+    stall = (med["save"] - med["clean"]) if med["save"] is not None and med["clean"] else None
+    return {"stall": stall, "interval": interval, "step_s": med,
+            "counts": {kind: len(v) for kind, v in kinds.items()},
+            "failed_saves": bench.checkpointer.manager.failed_saves}
+
+
+# ----------------------------------------------------------------- throughput --
+def measure_throughput(bench: Bench, steps: int, interval: int, repeats: int,
+                       tokens_per_sample: int | None) -> dict[str, Any]:
+    """The same number of steps without and with checkpointing, alternately; the ratio
+    of the median throughputs."""
+    policy, manager = bench.checkpointer.policy, bench.checkpointer.manager
+    split = bench.trainer.split
+    rates: dict[str, list[float]] = {"without": [], "with": []}
+    policy.interval_steps = NEVER
+    run_steps(bench, 2, 3)  # warm-up
+    base = interval * 10
+    saves_before = manager.failed_saves
+    for repeat in range(repeats):
+        # without, with, with, without, ...: a machine getting busier or quieter over
+        # the run moves both figures alike.
+        for kind in ("without", "with") if repeat % 2 == 0 else ("with", "without"):
+            policy.interval_steps = interval if kind == "with" else NEVER
+            # The first save comes half an interval in, so the phase holds whole saves.
+            first = base + interval - interval // 2 + 1
+            dist.barrier()
+            began = time.perf_counter()
+            run_steps(bench, first, steps)
+            dist.barrier()
+            elapsed = time.perf_counter() - began
+            manager.wait()   # the last save, if any, outside the timed phase
+            dist.barrier()
+            rates[kind].append(steps * split.global_batch_size / elapsed)
+            base += interval * (steps // interval + 2)
+    samples = {kind: statistics.median(v) for kind, v in rates.items()}
+    return {
+        "train_steps": steps, "interval": interval, "repeats": repeats,
+        "samples_per_s": samples,
+        "tokens_per_s": ({k: v * tokens_per_sample for k, v in samples.items()}
+                         if tokens_per_sample else None),
+        "throughput_ratio": samples["with"] / samples["without"],
+        "failed_saves": manager.failed_saves - saves_before,
+    }

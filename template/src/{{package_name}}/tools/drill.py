@@ -1,0 +1,370 @@
+"""The interruption drill: lose a run the hard way, resume it, and check that nothing changed.
+
+    python -m <package>.drill --save-ranks N --resume-ranks M --out DIR
+                              [--steps S] [--interrupt-at K] [--config PATH]
+                              [--timeout SECONDS] [key=value ...]
+
+1. reference    S steps on N ranks without interruption.
+2. interrupted  the same run on N ranks, killed with SIGKILL (torchrun, its workers and
+                the checkpoint background processes, as when a machine is lost) once
+                the checkpoint of step K has committed and training has moved past it.
+3. resume       ``python -m <package>.resume --nproc-per-node M`` in the interrupted
+                run's directories, to step S: the command a launcher runs after a loss.
+4. compare      loss and grad norm of every step after the resume point, against 1.
+
+Passed: on the same world size the resumed steps are bit-identical to the reference
+(losses and grad norms equal: weights, optimizer, data position, learning rate and
+random streams all carried over). On another world size the random streams are
+reseeded and sums run in another order, so the criterion is a relative loss difference
+below 1e-4, with ``model.dropout=0`` (the default).
+
+The default task's model is made small unless your key=value overrides say otherwise
+(they come last).
+DIR receives reference/, interrupted/, report.json, report.md and loss.png. A re-run
+into the same DIR replaces exactly those; a non-empty DIR that no drill made is
+refused. Exit status: 0 passed, 1 failed, 2 refused (bad arguments; nothing ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import PACKAGE
+from ..config import Config, ConfigError, load_config
+from ..launch.command import positive_int, torchrun_command
+from ..loop.sampling import BatchSizeError, split_global_batch
+from ..loop.task_contract import check_config, load_task
+from ..runtime import exit_codes
+from ..runtime.metrics import Event, EventTail
+from . import drill_report
+
+DEFAULT_STEPS = 24
+# The default save interval is the largest divisor of K up to this, so that a few
+# checkpoints commit (and old ones are retired) before the one the run resumes from.
+MAX_DEFAULT_INTERVAL = 4
+# Small enough that the three runs take about a minute on two CPU cores, for the default
+# task (applied only to keys its model: section has); the user's key=value overrides
+# come after these and win.
+SMALL_MODEL = ("model.d_model=32", "model.n_layers=1")
+# The drill decides these itself; setting them would break the comparison.
+OWNED_KEYS = {"train.max_steps": "--steps", "checkpoint.dir": "--out", "log.dir": "--out"}
+MARKER = ".drill"
+OUTPUTS = ("reference", "interrupted", "report.json", "report.md", "loss.png")
+POLL_S = 0.01
+
+
+class DrillError(RuntimeError):
+    """A phase did not go as planned; the message says which and where its log is."""
+
+
+@dataclass
+class Drill:
+    save_ranks: int
+    resume_ranks: int
+    steps: int
+    interrupt_at: int
+    interval: int
+    out: Path
+    config: str | None
+    overrides: list[str]
+    cfg: Config
+    timeout_s: float
+    started: float = field(default_factory=time.monotonic)
+    commands: dict[str, list[str]] = field(default_factory=dict)
+
+    def run_dirs(self, name: str) -> list[str]:
+        base = self.out / name
+        return [*self.overrides, f"train.max_steps={self.steps}",
+                f"checkpoint.dir={base / 'checkpoints'}", f"log.dir={base / 'logs'}"]
+
+    def train_command(self, name: str) -> list[str]:
+        config = ["--config", self.config] if self.config else []
+        return torchrun_command("train", [*config, *self.run_dirs(name)], self.cfg.preemption,
+                                nproc_per_node=self.save_ranks,
+                                max_restarts=self.cfg.recovery.max_restarts)
+
+    def resume_command(self) -> list[str]:
+        config = ["--config", self.config] if self.config else []
+        return [sys.executable, "-m", f"{PACKAGE}.resume",
+                "--nproc-per-node", str(self.resume_ranks), *config,
+                *self.run_dirs("interrupted")]
+
+    def say(self, message: str) -> None:
+        print(f"[{time.monotonic() - self.started:6.1f} s] {message}", flush=True)
+
+
+# ------------------------------------------------------------ process tree --
+def _parents() -> dict[int, int]:
+    """Parent pid of every process: /proc on Linux, ``ps`` elsewhere."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        out = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True,
+                             text=True, check=True).stdout
+        return {int(pid): int(ppid) for pid, ppid in (line.split() for line in out.splitlines())}
+    parents = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # exited while we looked
+            # The parent pid follows the command name, which may itself contain ") ".
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parents
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in _parents().items():
+        children.setdefault(ppid, []).append(pid)
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def kill_tree(root: int) -> int:
+    """SIGKILL ``root`` and every descendant at once, as losing the machine would.
+
+    Killing torchrun's process group is not enough: torchrun starts each worker in a
+    session of its own, and DCP's background writer hangs below each worker. Everyone
+    is frozen first (SIGSTOP), so that nobody reacts to a death or forks while the tree
+    is walked; the walk repeats until it finds no one new. Returns how many were killed.
+    """
+    frozen: set[int] = set()
+    while new := [pid for pid in process_tree(root) if pid not in frozen]:
+        for pid in new:
+            _signal(pid, signal.SIGSTOP)
+        frozen.update(new)
+    for pid in frozen:
+        _signal(pid, signal.SIGKILL)
+    return len(frozen)
+
+
+# ------------------------------------------------------------------- phases --
+def _start(command: list[str], log_path: Path) -> subprocess.Popen:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # torchrun gives each worker one OpenMP thread when it starts several, but not when it
+    # starts one; the same setting everywhere keeps the throughput of N and M ranks
+    # comparable (and keeps a one-rank CPU run from oversubscribing the cores).
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with open(log_path, "w", encoding="utf-8") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float, what: str, log_path: Path) -> int:
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.wait()
+        raise DrillError(f"{what} did not finish within {timeout_s:g} s (killed); "
+                         f"see {log_path}") from None
+
+
+def run_to_end(drill: Drill, command: list[str], log_path: Path, what: str) -> None:
+    proc = _start(command, log_path)
+    try:
+        code = _wait(proc, drill.timeout_s, what, log_path)
+    except BaseException:
+        if proc.poll() is None:  # Ctrl-C or an error here: leave no training behind
+            kill_tree(proc.pid)
+        raise
+    if code != 0:
+        raise DrillError(f"{what} exited {code}; see {log_path}")
+
+
+def run_and_kill(drill: Drill, command: list[str], name: str) -> dict:
+    """Start the run and kill its whole process tree once step K is committed and passed."""
+    base = drill.out / name
+    log_path = base / "output.log"
+    tail = EventTail(base / "logs")
+    k = drill.interrupt_at
+    saved = passed = False
+    proc = _start(command, log_path)
+    deadline = time.monotonic() + drill.timeout_s
+    try:
+        while not (saved and passed):
+            for event in tail.read():
+                saved |= event["event"] == Event.save and event.get("step") == k
+                passed |= event["event"] == Event.step and event.get("step", 0) > k
+            if saved and passed:
+                break
+            if proc.poll() is not None:
+                raise DrillError(
+                    f"the run ended (exit {proc.returncode}) before the checkpoint of step {k} "
+                    f"committed and a later step ran; use more --steps or a smaller "
+                    f"--interrupt-at; see {log_path}")
+            if time.monotonic() > deadline:
+                raise DrillError(f"step {k} was not saved and passed within "
+                                 f"{drill.timeout_s:g} s; see {log_path}")
+            time.sleep(POLL_S)
+        killed_at = time.time()
+        killed = kill_tree(proc.pid)
+    except BaseException:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+        raise
+    finally:
+        proc.wait()
+    return {"killed_at": killed_at, "processes_killed": killed}
+
+
+def run_drill(drill: Drill) -> dict:
+    n, m, s, k = drill.save_ranks, drill.resume_ranks, drill.steps, drill.interrupt_at
+    drill.commands = {"reference": drill.train_command("reference"),
+                      "interrupted": drill.train_command("interrupted"),
+                      "resume": drill.resume_command()}
+
+    drill.say(f"1/4 reference: {s} uninterrupted steps on {n} rank(s) ...")
+    run_to_end(drill, drill.commands["reference"], drill.out / "reference" / "output.log",
+               "the reference run")
+
+    drill.say(f"2/4 interrupted run on {n} rank(s): SIGKILL once step {k} is committed ...")
+    kill = run_and_kill(drill, drill.commands["interrupted"], "interrupted")
+    before = drill_report.split_runs(drill.out / "interrupted" / "logs")[0]
+    drill.say(f"    killed {kill['processes_killed']} processes at step "
+              f"{before.last_step} (checkpoint of step {k} committed)")
+
+    drill.say(f"3/4 resume on {m} rank(s) with {PACKAGE}.resume, to step {s} ...")
+    run_to_end(drill, drill.commands["resume"], drill.out / "interrupted" / "resume-output.log",
+               "the resumed run")
+
+    drill.say("4/4 compare the steps after the resume point with the reference ...")
+    return drill_report.build(drill, kill)
+
+
+# ------------------------------------------------------------- command line --
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {PACKAGE}.drill",
+        description="Interruption rehearsal: run, kill -9 the whole job after a checkpoint, "
+                    "resume on another (or the same) number of ranks, and compare every "
+                    "step with an uninterrupted run.",
+        epilog=f"Writes DIR/report.json, DIR/report.md and DIR/loss.png. A re-run into the "
+               f"same DIR replaces what an earlier drill wrote there ({', '.join(OUTPUTS)}); "
+               "a non-empty DIR that no drill made is refused. Exit status: 0 passed, "
+               "1 failed, 2 refused.",
+    )
+    parser.add_argument("--save-ranks", type=positive_int, required=True, metavar="N",
+                        help="ranks of the reference and the interrupted run")
+    parser.add_argument("--resume-ranks", type=positive_int, required=True, metavar="M",
+                        help="ranks that resume the interrupted run")
+    parser.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, metavar="S",
+                        help=f"steps of every run (default {DEFAULT_STEPS})")
+    parser.add_argument("--interrupt-at", type=positive_int, default=None, metavar="K",
+                        help="kill after the checkpoint of this step (default S/2); must be "
+                             "a multiple of checkpoint.interval_steps, which defaults to the "
+                             f"largest divisor of K up to {MAX_DEFAULT_INTERVAL}")
+    parser.add_argument("--out", required=True, type=Path, metavar="DIR",
+                        help="where runs and reports go")
+    parser.add_argument("--config", default=None, help="YAML config (default configs/train.yaml)")
+    parser.add_argument("--timeout", type=positive_int, default=900, metavar="SECONDS",
+                        help="limit for each run (default 900)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides for every run (after the drill's small model)")
+    return parser.parse_args(argv)
+
+
+def default_interval(k: int) -> int:
+    return max(d for d in range(1, MAX_DEFAULT_INTERVAL + 1) if k % d == 0)
+
+
+def prepare(args: argparse.Namespace) -> Drill:
+    """Check every argument before anything runs; raises ValueError with the reason."""
+    k = args.interrupt_at if args.interrupt_at is not None else args.steps // 2
+    if not 0 < k < args.steps:
+        raise ValueError(f"--interrupt-at must be at least 1 and below --steps={args.steps}, "
+                         f"so that training runs on after the checkpoint (got {k})")
+    for item in args.overrides:
+        key = item.split("=", 1)[0]
+        if key in OWNED_KEYS:
+            raise ValueError(f"{key} is set by the drill; use {OWNED_KEYS[key]} instead")
+    own = load_config(args.config, args.overrides).model
+    small = [item for item in SMALL_MODEL if item.split("=")[0].split(".", 1)[1] in own]
+    overrides = [*small, f"checkpoint.interval_steps={default_interval(k)}", *args.overrides]
+    cfg = load_config(args.config, overrides)
+    check_config(load_task(), cfg)
+    interval = cfg.checkpoint.interval_steps
+    if k % interval:
+        raise ValueError(f"checkpoint.interval_steps={interval} does not divide --interrupt-at "
+                         f"{k}: the run is killed after the checkpoint of step {k}, so step {k} "
+                         "must be a save step")
+    for ranks in (args.save_ranks, args.resume_ranks):
+        split_global_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, ranks)
+    _check_devices(cfg, max(args.save_ranks, args.resume_ranks))
+    config = str(Path(args.config).resolve()) if args.config else None
+    return Drill(args.save_ranks, args.resume_ranks, args.steps, k, interval,
+                 args.out.resolve(), config, overrides, cfg, float(args.timeout))
+
+
+def _check_devices(cfg: Config, ranks: int) -> None:
+    import torch
+
+    if torch.cuda.is_available() and cfg.distributed.backend != "gloo":
+        count = torch.cuda.device_count()
+        if ranks > count:
+            raise ValueError(f"{ranks} ranks need {ranks} GPUs, this machine has {count}; "
+                             "use fewer ranks or distributed.backend=gloo to drill on CPU")
+
+
+def prepare_out(out: Path) -> None:
+    """Make DIR ready: create it, or clear what an earlier drill wrote there."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).exists():
+        raise ValueError(f"--out {out} is not empty and was not made by a drill; choose a new "
+                         "or empty directory (the drill will not delete files it did not write)")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in OUTPUTS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    (out / MARKER).write_text("written by the interruption drill; its outputs here are "
+                              "replaced by the next drill run\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        drill = prepare(args)
+        prepare_out(drill.out)
+    except (ConfigError, BatchSizeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    drill.say(f"drill: {drill.save_ranks} rank(s) save, {drill.resume_ranks} rank(s) resume; "
+              f"{drill.steps} steps, killed after the checkpoint of step {drill.interrupt_at} "
+              f"(checkpoints every {drill.interval}); output in {drill.out}")
+    try:
+        report = run_drill(drill)
+    except DrillError as exc:
+        drill_report.failure(drill, str(exc))
+        drill.say(f"drill failed: {exc}")
+        return exit_codes.FAILED
+    except KeyboardInterrupt:  # the running job was killed on the way out
+        drill.say("drill interrupted; its runs are stopped")
+        return 128 + signal.SIGINT
+    drill.say(f"{'PASSED' if report['passed'] else 'FAILED'}: {report['verdict']}")
+    drill.say(f"report: {drill.out / 'report.md'}")
+    return 0 if report["passed"] else exit_codes.FAILED
