@@ -6,6 +6,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from copier import run_copy
+
 from conftest import REPO, package_of, render, run_in
 
 
@@ -51,14 +53,31 @@ def test_docker_build_context_leaves_out_training_output(default_project):
 
 # ------------------------------------------------------- release notes ----
 
-def test_the_tag_the_readme_names_is_in_the_changelog():
+def test_the_readmes_commands_need_no_release_tag_and_its_tags_are_released():
+    """Every command works on a clone without tags (copier then takes HEAD): none pins a
+    release by name; a tag the README names (the release instructions) is in the
+    CHANGELOG."""
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    tags = set(re.findall(r"--vcs-ref (v\d+\.\d+\.\d+)", readme))
-    assert tags, "the README's copier commands name a release tag"
+    commands = "\n".join(re.findall(r"```bash\n(.*?)```", readme, re.DOTALL))
+    assert "copier copy" in commands
+    assert not re.search(r"--vcs-ref v\d|--branch v\d", commands), commands
     assert "<tag>" not in readme
+    tags = set(re.findall(r"\b(v\d+\.\d+\.\d+)\b", readme))
     changelog = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
     released = set(re.findall(r"^## (v\d+\.\d+\.\d+)\b", changelog, re.MULTILINE))
     assert tags <= released, tags - released
+
+
+def test_copier_copies_a_template_clone_that_has_no_tag(tmp_path):
+    """The README's `copier copy <template> my-run`, on a clone with no release tag yet."""
+    from test_update import git, snapshot_template
+
+    template = snapshot_template(tmp_path / "template")
+    git(template, "tag", "-d", "v1.0.0")
+    assert git(template, "tag") == ""
+    run_copy(str(template), str(tmp_path / "my-run"), defaults=True, quiet=True)
+    answers = (tmp_path / "my-run" / ".copier-answers.yml").read_text(encoding="utf-8")
+    assert "_commit:" in answers and (tmp_path / "my-run" / "configs/train.yaml").is_file()
 
 
 # --------------------------------------------------------- help and plots ----

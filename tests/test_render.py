@@ -90,8 +90,10 @@ def test_launch_files_follow_the_answers(tmp_path, default_project):
     assert '"spot_trainer.resume"' in dockerfile
 
 
-def test_default_project_fast_tier_passes(default_project):
+def test_default_project_fast_tier_passes(default_project, request):
     """The generated suite without its slow tests (make check's share of it)."""
+    if "not slow" not in (request.config.getoption("-m") or ""):
+        pytest.skip("the whole generated suite runs in test_default_project_own_test_suite_passes")
     proc = run_in(default_project, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                   timeout=900)
     assert " passed" in proc.stdout and " failed" not in proc.stdout
@@ -135,5 +137,5 @@ def test_a_ddp_render_trains_resumes_and_syncs_gradients(tmp_path):
     project = render(tmp_path / "ddp", parallelism="ddp")
     proc = run_in(project, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--run-slow",
                   "tests/test_train.py", "tests/test_resume.py", "-k",
-                  "two_ranks or another_world_size or bit_identical or drill_two_ranks")
+                  "two_ranks or bit_identical or drill_two_ranks")
     assert " passed" in proc.stdout and " failed" not in proc.stdout

@@ -372,7 +372,8 @@ def test_the_call_at_the_start_step_only_votes(tmp_path, nothing_to_resume):
     decision = checkpointer.save(8)          # a due step, but nothing trained yet
     assert not decision.saved and not decision.stop
     assert manager.saves == [] and boundary.votes == 1 and manager.warmed == 1
-    assert allow.entered == []
+    # Only the warm-up's own bound (the checkpoint process's start), no save's.
+    assert allow.entered == [checkpointer.cfg.checkpoint.start_timeout_s]
     assert decision.newest == "no save yet"
     checkpointer.save(9)
     assert manager.prestaged == 1 and manager.warmed == 1  # warmed once; staged when trained
@@ -411,14 +412,16 @@ def test_the_watchdog_allowance_covers_saves_and_stops_only(tmp_path, nothing_to
     checkpointer = make_checkpointer(tmp_path, manager=manager, boundary=boundary, allow=allow)
     cfg = checkpointer.cfg
     checkpointer.load(FakeTraining())
-    checkpointer.save(0)
+    checkpointer.save(0)                                # the start: the warm-up's bound
+    assert allow.entered == [cfg.checkpoint.start_timeout_s]
+    allow.entered.clear()
     for step in (1, 2, 3):
         checkpointer.save(step)
     assert allow.entered == []                          # plain steps: the usual bound
     checkpointer.save(4)
     assert len(allow.entered) >= 1                      # around the due save
     # Before any measured save: the first-step bound stands for the save's own time.
-    assert allow.entered[0] == pytest.approx(cfg.checkpoint.wait_timeout_s + GRACE
+    assert allow.entered[0] == pytest.approx(cfg.checkpoint.wait_timeout_s
                                              + cfg.recovery.first_step_timeout_s)
     before = len(allow.entered)
     checkpointer.save(5)
@@ -427,9 +430,9 @@ def test_the_watchdog_allowance_covers_saves_and_stops_only(tmp_path, nothing_to
     decision = checkpointer.save(6)
     assert decision.stop and decision.why == "preempted"
     assert len(allow.entered) > before                  # around the stop
-    # Measured now: four times the newest write replaces the first-step bound.
-    assert allow.entered[-1] == pytest.approx(cfg.checkpoint.wait_timeout_s + GRACE
-                                              + 4 * manager.write_s)
+    # Measured now: four times the newest write replaces the first-step bound; a stop
+    # gets the grace period instead of the wait for the save in flight.
+    assert allow.entered[-1] == pytest.approx(GRACE + 4 * manager.write_s)
 
 
 def test_close_after_failing_saves_names_the_newest_committed_step(tmp_path, nothing_to_resume):

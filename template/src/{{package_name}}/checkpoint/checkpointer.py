@@ -103,7 +103,7 @@ class Checkpointer:
             state=training.state, record=training.commit_record, metrics=self.metrics,
             wait_timeout_s=ckpt.wait_timeout_s,
             max_failed_in_a_row=1 if ckpt.on_error == OnSaveError.stop else ckpt.max_failed_saves,
-            allowance=lambda: self._allowance(True))
+            allowance=self._allowance)
         self._policy.resumed_from = resumed
         self._start_step = training.progress.step
         return resumed
@@ -135,7 +135,7 @@ class Checkpointer:
         ``last`` when the loop stopped for a stop or failing saves, else "finished" when
         the state at ``step`` is committed, "not_saved" when it is not."""
         policy = self._saves()
-        with self._allowance(True):
+        with self._allowance(False):
             policy.finish(self.boundary)
         newest = policy.newest_step
         newest = f"step {newest}" if newest is not None else "none"
@@ -169,16 +169,17 @@ class Checkpointer:
             raise RuntimeError("Checkpointer.load must come before the first step")
         return self._policy
 
-    def _allowance(self, needed: bool) -> contextlib.AbstractContextManager:
-        """The watchdog's extra time for a save, a stop or the end: the wait for the save
-        in flight (checkpoint.wait_timeout_s), the grace period, and four times the
-        newest measured write (before any: recovery.first_step_timeout_s)."""
-        if not needed or self._allow is None:
+    def _allowance(self, at_stop: bool) -> contextlib.AbstractContextManager:
+        """The watchdog's extra time for work with bounds of its own: for a save, the wait
+        for the save in flight (checkpoint.wait_timeout_s); for a stop, the grace period;
+        and four times the newest measured write (before any:
+        recovery.first_step_timeout_s)."""
+        if self._allow is None:
             return contextlib.nullcontext()
         estimate = self._saves().save_estimate_s()
-        return self._allow(self.cfg.checkpoint.wait_timeout_s + self.boundary.grace_period_s
-                           + (4 * estimate if estimate > 0
-                              else self.cfg.recovery.first_step_timeout_s))
+        bound = self.boundary.grace_period_s if at_stop else self.cfg.checkpoint.wait_timeout_s
+        return self._allow(bound + (4 * estimate if estimate > 0
+                                    else self.cfg.recovery.first_step_timeout_s))
 
 
 def _take(lease: Lease | None) -> str | None:

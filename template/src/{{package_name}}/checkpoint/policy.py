@@ -79,7 +79,8 @@ class SavePolicy:
     def __init__(self, manager: CheckpointManager, *, interval_steps: int, final_step: int,
                  state: Callable[[], dict[str, Stateful]], record: Callable[[], dict[str, Any]],
                  metrics: MetricsLog, wait_timeout_s: float, max_failed_in_a_row: int,
-                 allowance: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                 allowance: Callable[[bool], contextlib.AbstractContextManager] = (
+                     lambda _at_stop: contextlib.nullcontext())
                  ) -> None:
         self.manager = manager
         self.interval_steps = interval_steps
@@ -128,7 +129,7 @@ class SavePolicy:
         """Commit what has finished, vote, then stop (saving within the grace period) or
         start a save if one is due. ``trained``: a step was trained since the start (the
         call before the first step only votes). Saves and the stop run under
-        ``allowance()``, the watchdog's extra time for work with bounds of its own."""
+        ``allowance(at_stop)``, the watchdog's extra time for work with bounds of its own."""
         self._report(self.manager.poll())
         due = trained and (last_step or self.due(step))
         if self._prestage and not due and not self.synchronous and trained:
@@ -136,11 +137,11 @@ class SavePolicy:
             # background during the next step, not by the first save.
             self._prestage = False
             self.manager.prestage(self._state())
-        with self.allowance() if due else contextlib.nullcontext():
+        with self.allowance(False) if due else contextlib.nullcontext():
             waited = self._finish_previous(boundary) if due else 0.0
             vote = boundary.vote(failed_saves=self.manager.failed_saves)
         if vote.stop_at is not None:   # preemption: one more reason to save, now
-            with self.allowance():
+            with self.allowance(True):
                 stopped = self.stop(step, vote.stop_at, boundary)
             return StepDecision(saved=stopped.final_step is not None, stop=True,
                                 why="interrupted" if stopped.by_user else "preempted")
@@ -160,7 +161,7 @@ class SavePolicy:
         self._waited_s[step] = waited
         reason = "final" if last_step or step == self.final_step else "interval"
         try:
-            with self.allowance():
+            with self.allowance(False):
                 self._report(self.manager.save(step, self._state(), reason, self._record(),
                                                blocking=self.synchronous))
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - counted, voted next time
