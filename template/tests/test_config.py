@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from conftest import ROOT, project_module, run_module
 
@@ -68,6 +69,23 @@ def test_train_cli_reports_bad_config_with_exit_2(tmp_path):
     assert proc.returncode == 2
     assert "train.lr" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nccl is usable with CUDA")
+def test_nccl_without_cuda_is_refused_in_one_sentence(tmp_path):
+    proc = run_module("train", "distributed.backend=nccl", f"log.dir={tmp_path / 'logs'}",
+                      f"checkpoint.dir={tmp_path / 'ckpt'}", check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "distributed.backend=nccl needs CUDA" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bench_refuses_an_object_store_dir_instead_of_writing_a_local_folder(tmp_path):
+    proc = run_module("bench", "--dir", "s3://bucket/x", "--config",
+                      str(ROOT / "configs/train.yaml"), cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--dir s3://bucket/x" in proc.stderr and "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []          # no folder named "s3:" or anything else
 
 
 @pytest.mark.parametrize("command", ["train", "resume", "drill", "plan", "bench"])

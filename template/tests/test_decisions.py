@@ -571,3 +571,32 @@ def test_the_heartbeat_renews_the_lease_and_notices_a_takeover(lease_root, monke
     finally:
         first.release()
     assert second.owner().job_id == "job-B"       # a release never removes another's lease
+
+
+def test_the_heartbeat_survives_any_error_and_lets_go_once_the_lease_could_go_stale(
+        lease_root, monkeypatch):
+    """A store that fails with something other than OSError (a connection error of an
+    object-store client) must not kill the heartbeat; renewals failing for longer than
+    lease_stale_s mean another job may take over: this one stops holding the lease, so its
+    commits stop."""
+    first = lease_of(lease_root, "job-A", monkeypatch, stale_s=1.0)   # a beat every 0.5 s
+    first.acquire()
+    failing = {"on": True}
+    real_write = lease_root.write_text_durable
+
+    def flaky_write(name, text):
+        if failing["on"]:
+            raise RuntimeError("EndpointConnectionError: could not connect to the endpoint")
+        return real_write(name, text)
+
+    monkeypatch.setattr(lease_root, "write_text_durable", flaky_write)
+    first.start_heartbeat()
+    try:
+        deadline = time.monotonic() + 6
+        while first.held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not first.held, "a lease not renewed for lease_stale_s is still held"
+        assert first._thread.is_alive(), "the heartbeat died on a non-OSError"
+    finally:
+        failing["on"] = False
+        first.release()

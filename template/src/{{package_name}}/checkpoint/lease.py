@@ -152,6 +152,7 @@ class Lease:
 
     def _beat(self) -> None:
         interval = max(0.5, self.stale_s / 4)
+        renewed = time.time()
         while not self._stop.wait(interval):
             try:
                 owner = self.owner()
@@ -162,8 +163,16 @@ class Lease:
                               owner.describe(time.time()))
                     return
                 self._write(time.time())
-            except OSError as exc:  # a storage hiccup: the next beat tries again
-                log.warning("could not renew the lease on %s: %s", self.storage, exc)
+                renewed = time.time()
+            except Exception as exc:  # noqa: BLE001 - any failure: the next beat tries again
+                log.warning("could not renew the lease on %s: %s: %s", self.storage,
+                            type(exc).__name__, exc)
+                if self.held and time.time() - renewed > self.stale_s:
+                    # Another job may take a lease this stale: stop committing to be safe.
+                    self.held = False
+                    log.error("the lease on %s was not renewed for %g s (checkpoint."
+                              "lease_stale_s): no checkpoint of this job will commit there "
+                              "any more", self.storage, self.stale_s)
 
     def release(self) -> None:
         """Stop renewing and remove the lease if it is still this job's."""

@@ -47,7 +47,13 @@ from ..recovery.attempts import FAILURES, Attempt, cause, gather_previous
 from ..recovery.progress_guard import ProgressGuard
 from ..recovery.watchdog import StepWatchdog
 from ..runtime import exit_codes
-from ..runtime.distributed import Runtime, decide_on_rank0, setup, teardown
+from ..runtime.distributed import (
+    BackendUnavailable,
+    Runtime,
+    decide_on_rank0,
+    setup,
+    teardown,
+)
 from ..runtime.exit_codes import error_line
 from ..runtime.metrics import Event, MetricsLog, append_event
 from .sampling import BatchSizeError
@@ -83,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.enable(all_threads=True)
     except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor
         pass
-    runtime = setup(cfg.distributed.backend, cfg.recovery.collective_timeout_s)
+    try:
+        runtime = setup(cfg.distributed.backend, cfg.recovery.collective_timeout_s)
+    except BackendUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
     # How the previous start ended, on every rank, before this one writes its own record.
     attempt = Attempt(cfg.log.dir, runtime.rank)
     previous = cause(gather_previous(attempt, runtime.world_size))

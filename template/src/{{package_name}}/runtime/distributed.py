@@ -39,6 +39,10 @@ def _free_port() -> int:
 DEFAULT_COLLECTIVE_TIMEOUT_S = 900.0
 
 
+class BackendUnavailable(ValueError):
+    """distributed.backend names a backend this machine cannot run (exit status 2)."""
+
+
 def setup(backend: str = "auto",
           collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Runtime:
     """Join (or, without torchrun, create) the process group and pick the device.
@@ -61,6 +65,12 @@ def setup(backend: str = "auto",
     # DCP's background checkpoint processes then share this job's store (under a prefix)
     # instead of opening an unauthenticated TCPStore of their own on every interface.
     os.environ.setdefault("DCP_USE_PREFIX_STORE", "1")
+    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        missing = "no CUDA device" if not torch.cuda.is_available() else "a torch without NCCL"
+        raise BackendUnavailable(f"distributed.backend=nccl needs CUDA GPUs and a torch built "
+                                 f"with NCCL; this machine has {missing}: use "
+                                 "distributed.backend=auto (nccl with CUDA, gloo otherwise) or "
+                                 "gloo")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     backend = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")

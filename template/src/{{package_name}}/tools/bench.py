@@ -55,7 +55,14 @@ from ..checkpoint.dcp_planner import TrainingStatePlanner
 from ..config import AsyncMode, ConfigError, load_config
 from ..loop.task_contract import load_task
 from ..runtime import exit_codes
-from ..runtime.distributed import Runtime, any_rank, decide_on_rank0, setup, teardown
+from ..runtime.distributed import (
+    BackendUnavailable,
+    Runtime,
+    any_rank,
+    decide_on_rank0,
+    setup,
+    teardown,
+)
 from .bench_loop import Bench, bench_config, build_trainer, measure_stall, measure_throughput
 from .bench_report import fmt, ratios, report_text, throughput_text
 
@@ -162,7 +169,16 @@ def main(argv: list[str] | None = None) -> int:
         print("error: bench measures background saves: checkpoint.async_mode must be "
               "process or thread", file=sys.stderr)
         return exit_codes.BAD_INPUT
-    runtime = setup(cfg.distributed.backend)
+    if args.dir and "://" in args.dir:
+        print(f"error: --dir {args.dir}: bench measures a local path (its disk and read "
+              "bounds are local file operations); give a directory on the disk or mounted "
+              "filesystem to measure", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    try:
+        runtime = setup(cfg.distributed.backend)
+    except BackendUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
     root = Path(decide_on_rank0(lambda: args.dir or tempfile.mkdtemp(prefix="bench-")))
     bench = None
     try:
