@@ -196,7 +196,10 @@ def test_tiny_model_takes_the_datas_vocabulary(tmp_path):
         "data.kind=tokens", f"data.path={tmp_path / 'tok'}", f"checkpoint.dir={tmp_path / 'c'}"])
     task = project_module("loop.task_contract").load_task()
     assert task.build_model(cfg).embed.num_embeddings == 257
-    assert len(task.build_data(cfg)) == (5000 + 1 - 1) // 64  # 5000 bytes + one separator
+    windows = (5000 + 1 - 1) // 64          # 5000 bytes + one separator
+    held = int(windows * cfg.data["eval_fraction"])   # the default task holds these out
+    assert held > 0 and len(task.build_eval_data(cfg)) == held
+    assert len(task.build_data(cfg)) == windows - held
     bad = project_module("config").load_config(CONFIG, ["data.kind=tokens",
                                                         f"data.path={tmp_path}"])
     with pytest.raises(project_module("config").ConfigError, match="no index.json"):

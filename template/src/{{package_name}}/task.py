@@ -7,7 +7,10 @@ guarantees in return. Required: ``build_model``, ``build_data``, ``loss_and_metr
 (``first_start``, ``rank``, ``world_size``, ``device``); ``build_model(cfg)`` works too.
 Optional, with the harness's defaults when absent: ``collate`` (default_collate),
 ``build_optimizer`` (AdamW with warm-up and cosine decay from ``train.*``) and
-``shard_units`` (the submodules FSDP2 shards one by one).
+``shard_units`` (the submodules FSDP2 shards one by one). Evaluation, optional:
+``build_eval_data`` (held-out samples; without it nothing is evaluated), ``eval_metrics``
+(default: ``loss_and_metrics`` under ``torch.no_grad()`` in eval mode) and
+``eval_summary`` (figures derived from the evaluation's means, e.g. the perplexity).
 
 ``cfg.model`` and ``cfg.data`` are the ``model:`` and ``data:`` sections of
 configs/train.yaml as plain dicts: yours to define. ``task_section`` checks them
@@ -21,10 +24,12 @@ directory written by ``python -m <package>.prepare_data``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from .config import Config, TaskContext, task_section_of_kind
 from .datasets import TextConfig, TextWindows, TokenConfig, TokenWindows, read_index
@@ -51,8 +56,21 @@ def build_model(cfg: Config, ctx: TaskContext) -> nn.Module:
 
 
 def build_data(cfg: Config) -> Dataset:
+    return _held_out(cfg)[0]
+
+
+def build_eval_data(cfg: Config) -> Dataset:
+    """The last ``data.eval_fraction`` of the samples, never trained on."""
+    return _held_out(cfg)[1]
+
+
+def _held_out(cfg: Config) -> tuple[Dataset, Dataset]:
     kind, data = _data_section(cfg)
-    return TokenWindows.from_config(data) if kind == "tokens" else TextWindows.from_config(data)
+    windows = (TokenWindows.from_config(data) if kind == "tokens"
+               else TextWindows.from_config(data))
+    held = int(len(windows) * data.eval_fraction)
+    return (Subset(windows, range(len(windows) - held)),
+            Subset(windows, range(len(windows) - held, len(windows))))
 
 
 def loss_and_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
@@ -62,3 +80,11 @@ def loss_and_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
     logits = getattr(logits, "logits", logits)  # Hugging Face models return an output object
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
     return loss, {}
+
+
+
+def eval_summary(means: dict[str, float]) -> dict[str, float]:
+    """Figures of the whole evaluation, from its sample-weighted means: the perplexity is
+    exp of the mean loss (a mean of per-batch perplexities would depend on how the eval
+    set was cut into batches, and so on the number of ranks)."""
+    return {"perplexity": math.exp(means["loss"])}

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from ..config import Config, OnSaveError
 from ..runtime.distributed import Runtime, decide_on_rank0
 from ..runtime.metrics import MetricsLog
-from .layout import Committed, check_storage, newest_complete_checkpoint
+from .layout import BestRule, Committed, check_storage, newest_complete_checkpoint
 from .lease import Lease, LeaseHeld
 from .manager import CheckpointManager
 from .policy import SavePolicy, StepBoundary, StepDecision
@@ -71,7 +71,7 @@ class Checkpointer:
         ckpt = cfg.checkpoint
         storage = open_storage(ckpt.dir)
         try:  # before the lease and the model: a full or read-only checkpoint.dir fails now
-            check_storage(storage, ckpt.keep_last)
+            check_storage(storage, ckpt.keep_last + ckpt.keep_best)
         except StorageError as exc:
             raise CheckpointRefused(str(exc)) from None
         lease = (Lease(storage, stale_s=ckpt.lease_stale_s, wait_s=ckpt.lease_wait_s)
@@ -81,7 +81,7 @@ class Checkpointer:
             raise CheckpointRefused(refused)
         manager = CheckpointManager(storage, mode=ckpt.async_mode, keep_last=ckpt.keep_last,
                                     is_coordinator=runtime.is_main, device=runtime.device,
-                                    lease=lease, verify=ckpt.verify)
+                                    lease=lease, verify=ckpt.verify, best=best_rule(cfg))
         try:
             manager.prepare()
             newest = decide_on_rank0(lambda: _newest_step(manager))
@@ -180,6 +180,12 @@ class Checkpointer:
         bound = self.boundary.grace_period_s if at_stop else self.cfg.checkpoint.wait_timeout_s
         return self._allow(bound + (4 * estimate if estimate > 0
                                     else self.cfg.recovery.first_step_timeout_s))
+
+
+def best_rule(cfg: Config) -> BestRule:
+    """checkpoint.keep_best, best_metric and best_mode as the layout applies them."""
+    ckpt = cfg.checkpoint
+    return BestRule(ckpt.keep_best, ckpt.best_metric, ckpt.best_mode)
 
 
 def _take(lease: Lease | None) -> str | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -281,8 +282,36 @@ def check_storage(storage: Storage, keep_last: int) -> None:
         raise StorageError(refused)
 
 
-def retire_old(storage: Storage, keep_last: int, *, up_to: int | None = None) -> list[str]:
-    """Remove all but the newest ``keep_last`` committed checkpoints; returns their names.
+@dataclass(frozen=True)
+class BestRule:
+    """Which checkpoints are kept as the best (checkpoint.keep_best, best_metric,
+    best_mode): those whose own step was evaluated, ranked by that evaluation."""
+
+    keep: int = 0
+    metric: str = "eval_loss"
+    mode: str = "min"
+
+    def score(self, checkpoint: Committed) -> float | None:
+        """The checkpoint's value of the metric, or None (not evaluated at its step)."""
+        record = checkpoint.record
+        value = (record.get("eval") or {}).get(self.metric)
+        if record.get("last_eval_step") != checkpoint.step or not isinstance(value, (int, float)):
+            return None
+        return float(value) if math.isfinite(value) else None
+
+    def best(self, committed: list[Committed]) -> list[Committed]:
+        """The best ``keep`` of ``committed``, best first (ties: the newer first)."""
+        if self.keep <= 0:
+            return []
+        scored = [(score, c) for c in committed if (score := self.score(c)) is not None]
+        scored.sort(key=lambda sc: (sc[0] if self.mode == "min" else -sc[0], -sc[1].step))
+        return [c for _, c in scored[:self.keep]]
+
+
+def retire_old(storage: Storage, keep_last: int, *, up_to: int | None = None,
+               best: BestRule | None = None) -> list[str]:
+    """Remove all but the newest ``keep_last`` committed checkpoints and the best
+    ``best.keep`` (never retired by keep_last); returns the names removed.
 
     With ``up_to`` (the step just committed), checkpoints of later steps neither count
     nor go: they were left by a run this one did not resume from (skipped as damaged,
@@ -292,7 +321,10 @@ def retire_old(storage: Storage, keep_last: int, *, up_to: int | None = None) ->
     removed = []
     committed = [c for c in list_committed(storage, warn=False)
                  if up_to is None or c.step <= up_to]
+    kept = {c.name for c in (best or BestRule()).best(committed)}
     for old in committed[:-keep_last]:
+        if old.name in kept:
+            continue
         _discard(storage, old.name)
         removed.append(old.name)
     return removed

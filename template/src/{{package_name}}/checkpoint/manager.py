@@ -78,12 +78,13 @@ class CheckpointManager:
 
     def __init__(self, storage: Storage, *, mode: AsyncMode, keep_last: int,
                  is_coordinator: bool, device: torch.device, lease: Lease | None = None,
-                 verify: str = "all") -> None:
+                 verify: str = "all", best: layout.BestRule | None = None) -> None:
         self.storage = storage
         self.verify = str(getattr(verify, "value", verify))  # checkpoint.verify: all|sample|none
         self.lease = lease  # the coordinator's hold on the directory; commits need it
         self.mode = AsyncMode(mode)
         self.keep_last = keep_last
+        self.best = best or layout.BestRule()   # checkpoint.keep_best: kept besides keep_last
         self.is_coordinator = is_coordinator
         # One planner for the whole run: with plan caching, saves after the first reuse
         # the global save plan instead of negotiating it again across ranks.
@@ -398,7 +399,8 @@ class CheckpointManager:
         # wherever it ran; removing old checkpoints follows and is not part of it.
         latency = time.perf_counter() - inflight.started
         try:
-            removed = layout.retire_old(self.storage, self.keep_last, up_to=inflight.step)
+            removed = layout.retire_old(self.storage, self.keep_last, up_to=inflight.step,
+                                            best=self.best)
         except OSError as exc:  # the new checkpoint is safe; old ones just linger
             log.warning("could not remove old checkpoints: %s", exc)
             removed = []

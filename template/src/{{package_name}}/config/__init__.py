@@ -10,6 +10,7 @@ from .schema import (
     Config,
     ConfigError,
     DistributedConfig,
+    EvalConfig,
     LoaderConfig,
     LogConfig,
     NoticeSource,
@@ -30,7 +31,7 @@ from .schema import (
 
 __all__ = [
     "DEFAULT_CONFIG", "OBJECT_STORE_SCHEMES", "TASK_SECTIONS", "AsyncMode", "CheckpointConfig",
-    "Config", "ConfigError", "DistributedConfig", "LoaderConfig", "LogConfig", "NoticeSource",
+    "Config", "ConfigError", "DistributedConfig", "EvalConfig", "LoaderConfig", "LogConfig", "NoticeSource",
     "OnSaveError", "Parallelism", "PlanConfig", "Precision", "PreemptionConfig",
     "RecoveryConfig", "TaskContext", "TrainConfig", "VerifyMode", "load_config", "require",
     "task_section", "task_section_of_kind", "to_plain_dict",

@@ -129,9 +129,18 @@ class CheckpointConfig:
     strict_resume: bool = False     # a checkpoint that fails to load stops the run (no fallback)
     lease_stale_s: float = 120.0    # another job's lease without a heartbeat this long is taken over
     lease_wait_s: float = 60.0      # how long a start waits for a live lease to be released
+    keep_best: int = 0              # the best checkpoints by best_metric, kept besides keep_last
+    best_metric: str = "eval_loss"  # a field of the eval event (eval_<metric>)
+    best_mode: str = "min"          # min | max
 
     def __post_init__(self) -> None:
         require(bool(self.dir.strip()), "checkpoint.dir", "must not be empty", self.dir)
+        require(self.keep_best >= 0, "checkpoint.keep_best", "must be >= 0 (0 = off)",
+                self.keep_best)
+        require(self.best_mode in ("min", "max"), "checkpoint.best_mode", "must be min or max",
+                self.best_mode)
+        require(self.best_metric.startswith("eval_"), "checkpoint.best_metric",
+                "must name an evaluation figure: eval_loss or eval_<metric>", self.best_metric)
         url = _URL.match(self.dir)
         if url:
             require(url.group(1) in ("file", *OBJECT_STORE_SCHEMES), "checkpoint.dir",
@@ -224,12 +233,31 @@ class RecoveryConfig:
 class LogConfig:
     dir: str = "logs"
     every_steps: int = 10
+    trackers: list[str] = field(default_factory=list)   # experiment trackers: tensorboard
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 1, "log.every_steps", "must be >= 1", self.every_steps)
+        for name in self.trackers:
+            require(name in TRACKERS, "log.trackers", f"names one of {', '.join(TRACKERS)}",
+                    name)
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation on the task's held-out data (``build_eval_data`` in task.py)."""
+
+    every_steps: int = 0        # evaluate every N steps; 0 = never during training
+    max_batches: int = 0        # eval micro-batches in all (over every rank); 0 = the whole set
+    at_end: bool = True         # evaluate after the last step
+    micro_batch_size: int = 0   # 0 = train.micro_batch_size
+
+    def __post_init__(self) -> None:
+        for key in ("every_steps", "max_batches", "micro_batch_size"):
+            require(getattr(self, key) >= 0, f"eval.{key}", "must be >= 0", getattr(self, key))
 
 
 START_METHODS = ("auto", "fork", "forkserver", "spawn")
+TRACKERS = ("tensorboard",)   # log.trackers: the experiment trackers this project writes
 
 
 @dataclass
@@ -295,6 +323,7 @@ class Config:
     model: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)

@@ -32,8 +32,11 @@ class TextConfig:
     corpus: str = ""             # a UTF-8 text file; empty: the generated corpus
     corpus_chars: int = 200_000  # size of the generated corpus
     seq_len: int = 64
+    eval_fraction: float = 0.05  # the last samples, held out for evaluation (0 = none)
 
     def __post_init__(self) -> None:
+        require(0 <= self.eval_fraction < 1, "data.eval_fraction", "must be in [0, 1)",
+                self.eval_fraction)
         require(self.corpus_chars >= 1000, "data.corpus_chars", "must be >= 1000",
                 self.corpus_chars)
         require(self.seq_len >= 2, "data.seq_len", "must be >= 2", self.seq_len)

@@ -52,8 +52,11 @@ def dtype_fits(dtype: str, vocab_size: int) -> bool:
 class TokenConfig:
     path: str = ""              # a directory written by prepare_data (index.json + token files)
     seq_len: int = 64
+    eval_fraction: float = 0.05  # the last samples, held out for evaluation (0 = none)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"data.eval_fraction must be in [0, 1) (got {self.eval_fraction!r})")
         if not self.path:
             raise ConfigError(f"data.kind=tokens needs data.path: a directory written by "
                               f"`{PREPARE}`")

@@ -35,6 +35,7 @@ from ..checkpoint import (
     Checkpointer,
     CheckpointRefused,
     CheckpointUnusable,
+    Committed,
     IncompatibleCheckpoint,
     newest_complete_checkpoint,
     open_storage,
@@ -56,6 +57,7 @@ from ..runtime.distributed import (
 )
 from ..runtime.exit_codes import error_line
 from ..runtime.metrics import Event, MetricsLog, append_event
+from ..tracking.trackers import open_trackers
 from .sampling import BatchSizeError
 from .task_contract import load_task
 from .trainer import TaskError, Trainer
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             checkpointer = Checkpointer.open(cfg, runtime, metrics, stop, allow=watchdog.allow)
-            code, reason = _train(cfg, runtime, checkpointer, watchdog, metrics, attempt,
+            code, reason = _train(cfg, runtime, checkpointer, stop, watchdog, metrics, attempt,
                                   previous)
         except CheckpointRefused as exc:
             code, reason = _refuse(exc)
@@ -186,8 +188,8 @@ def _guard_progress(cfg: Config, runtime: Runtime, attempt: Attempt,
     return decide_on_rank0(verdict)
 
 
-def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, watchdog: StepWatchdog,
-           metrics: MetricsLog, attempt: Attempt,
+def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: StopCoordinator,
+           watchdog: StepWatchdog, metrics: MetricsLog, attempt: Attempt,
            previous: dict[str, Any] | None) -> tuple[int, str]:
     """Train; returns the exit status and, for the log, why."""
     failed_starts, no_progress = _guard_progress(cfg, runtime, attempt, previous)
@@ -197,7 +199,8 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, watchdog: 
         metrics.say(f"exit status {exit_codes.NO_PROGRESS}: do not retry")
         return exit_codes.NO_PROGRESS, no_progress
     try:
-        trainer = Trainer(cfg, load_task(), runtime, checkpointer, metrics, watchdog)
+        trainer = Trainer(cfg, load_task(), runtime, checkpointer, metrics, watchdog,
+                          stop_requested=lambda: stop.requested)
     except (ConfigError, BatchSizeError) as exc:
         return _refuse(exc)
     attempt.progress = trainer.progress
@@ -205,6 +208,9 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, watchdog: 
         resumed = trainer.resume()
     except (IncompatibleCheckpoint, CheckpointUnusable) as exc:
         return _refuse(exc)
+    refused = decide_on_rank0(lambda: _attach_trackers(cfg, metrics, resumed))
+    if refused is not None:
+        return _refuse(refused)
     failed = previous is not None and previous["kind"] in FAILURES
     failed_at = previous.get("failed_at") if failed else None
     metrics.event(Event.start, step=trainer.progress.step, world_size=runtime.world_size,
@@ -247,6 +253,18 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, watchdog: 
         return exit_codes.NOT_SAVED, reason
     metrics.say(f"finished at step {outcome.step}")
     return exit_codes.OK, "finished"
+
+
+def _attach_trackers(cfg: Config, metrics: MetricsLog, resumed: Committed | None) -> str | None:
+    """Rank 0: the experiment trackers (log.trackers) follow every event from now on,
+    continuing the checkpoint directory's tracker run; why they cannot, or None."""
+    try:
+        metrics.sinks += open_trackers(cfg.log.trackers, cfg.log.dir,
+                                       open_storage(cfg.checkpoint.dir),
+                                       resumed.step if resumed is not None else None)
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def _recovered(metrics: MetricsLog, attempt: Attempt, previous: dict[str, Any],

@@ -22,6 +22,8 @@ from ..config.schedule import lr_factor
 
 REQUIRED = ("build_model", "build_data", "loss_and_metrics")
 OPTIONAL = ("collate", "build_optimizer", "shard_units")
+# Optional, no default: no evaluation without build_eval_data.
+EVALUATION = ("build_eval_data", "eval_metrics", "eval_summary")
 Optimizers = tuple[torch.optim.Optimizer, "torch.optim.lr_scheduler.LRScheduler | None"]
 
 
@@ -33,6 +35,9 @@ class Task:
     collate: Callable[[list[Any]], Any]
     build_optimizer: Callable[[nn.Module, Config], Optimizers]
     shard_units: Callable[[nn.Module], list[nn.Module]]
+    build_eval_data: Callable[[Config], Any] | None = None
+    eval_metrics: Callable[[nn.Module, Any], tuple[torch.Tensor, dict[str, Any]]] | None = None
+    eval_summary: Callable[[dict[str, float]], dict[str, float]] | None = None
 
 
 def load_task(module: ModuleType | None = None) -> Task:
@@ -49,6 +54,8 @@ def load_task(module: ModuleType | None = None) -> Task:
     chosen["build_model"] = _with_context(chosen["build_model"])
     for name in OPTIONAL:
         chosen[name] = getattr(module, name, None) or defaults[name]
+    for name in EVALUATION:
+        chosen[name] = getattr(module, name, None)
     return Task(**chosen)
 
 

@@ -29,6 +29,7 @@ from ..recovery.stragglers import StragglerCheck
 from ..recovery.watchdog import StepWatchdog
 from ..runtime.distributed import Runtime
 from ..runtime.metrics import Event, MetricsLog
+from .evaluate import Evaluator, eval_fields
 from .parallelize import set_gradient_sync, to_device, wrap_model
 from .sampling import GlobalBatchSampler, RankMicroBatches, split_global_batch
 from .task_contract import Task, default_optimizer
@@ -82,7 +83,8 @@ def _end_workers_at_exit(loader_iter: weakref.ref) -> None:
 
 class Trainer:
     def __init__(self, cfg: Config, task: Task, runtime: Runtime, checkpointer: Checkpointer,
-                 metrics: MetricsLog, watchdog: StepWatchdog | None = None) -> None:
+                 metrics: MetricsLog, watchdog: StepWatchdog | None = None,
+                 stop_requested: Callable[[], bool] = lambda: False) -> None:
         self.cfg, self.task, self.runtime = cfg, task, runtime
         self.checkpointer = checkpointer
         self.metrics = metrics
@@ -105,6 +107,11 @@ class Trainer:
                                          ratio=cfg.recovery.straggler_ratio, runtime=runtime,
                                          metrics=metrics)
         self.watchdog = watchdog
+        self.stop_requested = stop_requested   # a preemption ends an evaluation early
+        self.evaluator = Evaluator(cfg, task, runtime)
+        self.last_eval_step: int | None = None  # in the commit record: a resume redoes it
+        self.last_eval: dict[str, float] | None = None
+        self._eval_first = False
         self.on_first_step: Callable[[int], None] | None = None
         self.reseed(0)
 
@@ -128,8 +135,17 @@ class Trainer:
         torch.manual_seed(rank_seed(self.cfg.train.seed, step, self.runtime.rank))
 
     def resume(self) -> Committed | None:
-        """Load the newest checkpoint that loads (the checkpointer chooses); None: fresh."""
-        return self.checkpointer.load(self)
+        """Load the newest checkpoint that loads (the checkpointer chooses); None: fresh.
+
+        An evaluation due at the resumed step that the saved run did not finish (a stop
+        came during it) runs first, so no evaluation point is lost."""
+        resumed = self.checkpointer.load(self)
+        if resumed is not None:
+            self.last_eval_step = resumed.record.get("last_eval_step")
+            self.last_eval = resumed.record.get("eval")
+            step = self.progress.step
+            self._eval_first = self.evaluator.due(step) and self.last_eval_step != step
+        return resumed
 
     def commit_record(self) -> dict[str, Any]:
         return {
@@ -139,6 +155,8 @@ class Trainer:
             "micro_batch_size": self.split.micro_batch_size,
             "grad_accum_steps": self.split.grad_accum_steps,
             "samples_consumed": self.progress.samples_consumed,
+            "last_eval_step": self.last_eval_step,
+            "eval": self.last_eval,     # its figures (checkpoint.keep_best ranks by them)
             "config": to_plain_dict(self.cfg),
         }
 
@@ -242,6 +260,9 @@ class Trainer:
             watchdog.start(step)
         values: dict[str, float] | None = None
         try:
+            if self._eval_first:
+                self._eval_first = False
+                self.evaluate(step)
             while True:
                 # Before the first step this only votes: a stop asked for during start-up
                 # (building, resuming) ends the run before step one.
@@ -269,11 +290,35 @@ class Trainer:
                 self.stragglers.step_done(step_time)
                 if self.stragglers.due(step):
                     self.stragglers.check(step)
+                if self.evaluator.due(step):
+                    self.evaluate(step)
         finally:
             if watchdog is not None:
                 watchdog.stop()   # finishing has bounds of its own
         verdict = self.checkpointer.close(step, decision)
         return Outcome(verdict.why, step, verdict.detail)
+
+    def evaluate(self, step: int) -> dict[str, float] | None:
+        """Evaluate the model at ``step``; log the ``eval`` event (rank 0) and return the
+        means, or None when a stop request ended the evaluation early."""
+        began = time.perf_counter()
+        self.metrics.say(f"evaluating step {step} ({self.evaluator.samples()} samples)")
+        # An evaluation is no step: the watchdog allows it the first step's bound.
+        with (self.watchdog.allow(self.cfg.recovery.first_step_timeout_s)
+              if self.watchdog is not None else contextlib.nullcontext()):
+            means = self.evaluator.run(self.model, self.stop_requested)
+        if means is None:
+            self.metrics.say(f"evaluation of step {step} stopped by the stop request; a "
+                             "resumed run evaluates this step first")
+            return None
+        fields = eval_fields(means)
+        self.last_eval_step, self.last_eval = step, fields
+        self.metrics.event(Event.eval, step=step, **fields,
+                           eval_samples=self.evaluator.samples(),
+                           eval_time_s=time.perf_counter() - began)
+        self.metrics.say(f"eval step {step} | " + " | ".join(
+            f"{name} {value:.4g}" for name, value in fields.items()))
+        return means
 
     def _progress_line(self, values: dict[str, float], samples_per_s: float,
                        elapsed_s: float, newest: str) -> None:

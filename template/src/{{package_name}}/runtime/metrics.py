@@ -23,6 +23,7 @@ class Event(str, enum.Enum):
 
     start = "start"                          # a training process group started (or resumed)
     step = "step"                            # one optimizer step: loss, metrics, timings
+    eval = "eval"                            # an evaluation on held-out data: eval_loss, ...
     save = "save"                            # a checkpoint committed
     save_mode_changed = "save_mode_changed"  # saves fell back to synchronous
     preemption = "preemption"                # a stop request was handled
@@ -115,6 +116,7 @@ class MetricsLog:
         self.enabled = log_dir is not None
         self.stream = stream
         self._file = None
+        self.sinks: list[Any] = []   # experiment trackers: each gets every event (tracking/)
         if log_dir is not None:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             self.path = Path(log_dir) / METRICS_FILE
@@ -124,12 +126,17 @@ class MetricsLog:
         if self._file is not None:
             record = {"event": Event(kind).value, **fields, "time": time.time()}
             self._file.write(json.dumps(record) + "\n")
+            for sink in self.sinks:
+                sink.log(Event(kind), fields)
 
     def say(self, message: str) -> None:
         if self.enabled:
             print(message, file=self.stream, flush=True)
 
     def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import PACKAGE
 from ..checkpoint import Committed, list_committed, newest_complete_checkpoint, open_storage
+from ..checkpoint.layout import BestRule
 from ..checkpoint.safe_load import SafeLoadPlanner, UnsafeCheckpointError, unsafe_failure
 from ..checkpoint.storage import Storage
 from ..config import ConfigError, load_config, task_section
@@ -62,8 +63,20 @@ class ExportError(Exception):
 
 
 # ------------------------------------------------------------------ checkpoint --
-def find_checkpoint(argument: str | None, checkpoint_dir: str) -> tuple[Storage, Committed]:
-    """The checkpoint named on the command line (it must be complete), or the newest."""
+def find_checkpoint(argument: str | None, checkpoint_dir: str,
+                    best: BestRule | None = None) -> tuple[Storage, Committed]:
+    """The checkpoint named on the command line (it must be complete), the best one by
+    ``best`` (--best), or the newest."""
+    if best is not None:
+        if argument is not None:
+            raise ExportError("give either CHECKPOINT or --best, not both")
+        storage = open_storage(checkpoint_dir)
+        ranked = best.best(list_committed(storage))
+        if not ranked:
+            raise ExportError(f"no checkpoint in {checkpoint_dir} was evaluated at its own "
+                              f"step with {best.metric} (set eval.every_steps to a multiple "
+                              "of checkpoint.interval_steps)")
+        return storage, ranked[0]
     if argument is None:
         storage = open_storage(checkpoint_dir)
         found = newest_complete_checkpoint(storage)
@@ -238,6 +251,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("checkpoint", nargs="?", default=None, metavar="CHECKPOINT",
                         help="a checkpoint directory (default: the newest complete one in "
                              "checkpoint.dir)")
+    parser.add_argument("--best", action="store_true",
+                        help="the best checkpoint by checkpoint.best_metric and best_mode "
+                             "(instead of the newest)")
     parser.add_argument("--format", required=True, choices=("hf", "torch"))
     parser.add_argument("--out", required=True, type=Path, metavar="DIR",
                         help="a new or empty directory")
@@ -257,7 +273,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def export(args: argparse.Namespace) -> str:
     cfg = load_config(args.config, args.overrides)
-    storage, checkpoint = find_checkpoint(args.checkpoint, cfg.checkpoint.dir)
+    rule = (BestRule(1, cfg.checkpoint.best_metric, cfg.checkpoint.best_mode)
+            if args.best else None)
+    storage, checkpoint = find_checkpoint(args.checkpoint, cfg.checkpoint.dir, rule)
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
         raise ExportError(f"--out {args.out} exists and is not an empty directory")
     tensors = model_tensors(storage, checkpoint)

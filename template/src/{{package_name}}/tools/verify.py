@@ -109,4 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"checked {len(verdicts)}: "
           + ", ".join(f"{n} {status}" for status, n in counts.items() if n or status == "FAILED")
           + f"; checksummed {human_bytes(checked)} in {seconds:.1f} s{rate}")
+    ckpt = cfg.checkpoint
+    if ckpt.keep_best > 0 and single is None:
+        rule = layout.BestRule(ckpt.keep_best, ckpt.best_metric, ckpt.best_mode)
+        best = rule.best(layout.list_committed(storage, warn=False))
+        kept = ", ".join(f"step {c.step} ({ckpt.best_metric} {rule.score(c):.6g})" for c in best)
+        print(f"kept as best (checkpoint.keep_best={ckpt.keep_best}, {ckpt.best_metric}, "
+              f"{ckpt.best_mode}): {kept or 'none evaluated at its own step yet'}")
     return exit_codes.FAILED if failed else exit_codes.OK

@@ -1,0 +1,122 @@
+"""Evaluation on held-out data: every sample once, whatever the number of ranks.
+
+The task may define ``build_eval_data(cfg)`` (a map-style dataset, like ``build_data``)
+and ``eval_metrics(model, batch) -> (loss, metrics)``; without the latter the task's
+``loss_and_metrics`` is used. ``eval_summary(means)`` may add figures derived from the
+whole evaluation's means (the default task's perplexity, exp of the mean loss). Evaluation runs under ``torch.no_grad()`` with the model in
+eval mode, then puts it back in training mode.
+
+Which samples: the first ``eval.max_batches x eval.micro_batch_size`` of the eval set
+(all of it with ``max_batches: 0``), dealt to the ranks in turn (sample i to rank
+i mod world size), so that no sample is seen twice and none is padded in. Each rank sums
+``loss x samples`` and every metric the same way in float64; one all-reduce at the end
+gives sample-weighted means that do not depend on how the samples were split, so an
+evaluation of one checkpoint agrees on 1, 2 or 4 ranks to rounding.
+
+A stop request (a preemption) ends an evaluation at the next batch boundary, agreed by
+all ranks with one small all-reduce per batch: it never eats the grace period. The
+evaluation of that step is then not reported, and the resumed run evaluates it first
+(the commit record says which step was last evaluated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import Config
+from ..runtime.distributed import Runtime, any_rank
+from .parallelize import to_device
+from .task_contract import Task
+
+
+class Evaluator:
+    def __init__(self, cfg: Config, task: Task, runtime: Runtime) -> None:
+        self.cfg, self.task, self.runtime = cfg, task, runtime
+        self.dataset = task.build_eval_data(cfg) if task.build_eval_data is not None else None
+        self.micro_batch_size = cfg.eval.micro_batch_size or cfg.train.micro_batch_size
+        self.score = task.eval_metrics or task.loss_and_metrics
+
+    @property
+    def enabled(self) -> bool:
+        return self.dataset is not None and len(self.dataset) > 0
+
+    def due(self, step: int) -> bool:
+        """Whether the evaluation of ``step`` is due (every ``eval.every_steps`` steps and,
+        with ``eval.at_end``, after the last one)."""
+        every = self.cfg.eval.every_steps
+        return self.enabled and ((every > 0 and step % every == 0)
+                                 or (self.cfg.eval.at_end and step == self.cfg.train.max_steps))
+
+    def samples(self) -> int:
+        """How many samples an evaluation covers (over every rank)."""
+        n = len(self.dataset)
+        limit = self.cfg.eval.max_batches * self.micro_batch_size
+        return min(n, limit) if limit > 0 else n
+
+    def my_samples(self) -> range:
+        """This rank's share: sample i goes to rank i mod world size."""
+        return range(self.runtime.rank, self.samples(), self.runtime.world_size)
+
+    def run(self, model: nn.Module, stop_requested: Callable[[], bool]
+            ) -> dict[str, float] | None:
+        """The evaluation's means (``loss`` and each metric), the same on every rank; None
+        when a stop request ended it early."""
+        mine = self.my_samples()
+        # The most any rank holds (rank 0's share): every rank runs this many rounds.
+        rounds = -(-len(range(0, self.samples(), self.runtime.world_size))
+                   // self.micro_batch_size)
+        sums: dict[str, torch.Tensor] = {}
+        count = 0
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for r in range(rounds):
+                    (stop,) = any_rank(stop_requested())
+                    if stop:
+                        return None
+                    indices = mine[r * self.micro_batch_size:(r + 1) * self.micro_batch_size]
+                    n = len(indices)
+                    # A rank left without samples in the last round still runs the model
+                    # (FSDP2 gathers the weights in every rank's forward), weighted 0.
+                    batch = to_device(self.task.collate([self.dataset[i]
+                                                         for i in (indices if n else [0])]),
+                                      self.runtime.device)
+                    loss, metrics = self.score(model, batch)
+                    for name, value in {"loss": loss, **dict(metrics)}.items():
+                        value = torch.as_tensor(value).detach().to(torch.float64).cpu() * n
+                        sums[name] = sums.get(name, 0) + value
+                    count += n
+        finally:
+            model.train(was_training)
+            # FSDP2 keeps the root's weights gathered after a forward with no backward:
+            # shard them again, so the saves and the next step see the training layout.
+            if callable(getattr(model, "reshard", None)):
+                model.reshard()
+        means = self._means(sums, count)
+        if self.task.eval_summary is not None:
+            means.update(self.task.eval_summary(dict(means)))
+        return means
+
+    def _means(self, sums: dict[str, torch.Tensor], count: int) -> dict[str, float]:
+        names = sorted(set(sums) | {"loss"})
+        if self.runtime.world_size > 1:   # every rank learns every name (some saw none)
+            everyone: list = [None] * self.runtime.world_size
+            dist.all_gather_object(everyone, names)
+            names = sorted({name for ranks in everyone for name in ranks})
+        totals = torch.tensor([float(sums.get(name, 0.0)) for name in names] + [float(count)],
+                              dtype=torch.float64)
+        if self.runtime.world_size > 1:
+            dist.all_reduce(totals)
+        total = float(totals[-1])
+        return {name: float(totals[i]) / total for i, name in enumerate(names)}
+
+
+def eval_fields(means: dict[str, Any]) -> dict[str, float]:
+    """The ``eval`` event's fields: ``eval_loss`` and ``eval_<metric>``."""
+    return {f"eval_{name}": value for name, value in means.items()}
