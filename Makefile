@@ -35,7 +35,7 @@ test: venv
 # Lint, then every test not marked slow: the template's own checks and the quick part
 # of a default render's own suite (test_render.py::test_default_project_fast_tier_passes).
 check: venv lint
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
 lint: venv
 	$(VENV)/bin/ruff check tests template --exclude '*.jinja'

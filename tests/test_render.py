@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -95,7 +96,7 @@ def test_default_project_fast_tier_passes(default_project, request):
     if "not slow" not in (request.config.getoption("-m") or ""):
         pytest.skip("the whole generated suite runs in test_default_project_own_test_suite_passes")
     proc = run_in(default_project, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                  timeout=900)
+                  *(["-n", "2"] if importlib.util.find_spec("xdist") else []), timeout=900)
     assert " passed" in proc.stdout and " failed" not in proc.stdout
 
 

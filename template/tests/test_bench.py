@@ -13,6 +13,7 @@ RATIOS = ("baseline/blocking", "blocking/copy_bound", "commit/disk_bound", "load
           "stall/copy_bound")
 
 
+@pytest.mark.slow
 def test_bench_reports_every_figure_ratio_and_plan_cache_hits():
     proc = torchrun(2, "bench", "--repeats", "2", "--json", *TINY)
     report = json.loads(proc.stdout.strip().splitlines()[-1])

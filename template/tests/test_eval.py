@@ -105,9 +105,9 @@ def test_a_stop_during_an_evaluation_saves_in_time_and_the_resume_evaluates_firs
 def _committed_with_eval(tmp_path, layout, storage, step, loss, evaluated=True):
     work = layout.staging_name(step, storage)
     dcp.save({"w": torch.arange(50.0)}, storage_writer=storage.writer(work), no_dist=True)
-    layout.commit(storage, step, {"world_size": 1,
-                                  "last_eval_step": step if evaluated else step - 1,
-                                  "eval": {"eval_loss": loss}})
+    evaluation = {"eval_loss": loss}
+    layout.commit(storage, step, {"world_size": 1, "eval": evaluation,
+                                  "last_eval_step": step if evaluated else step - 1})
 
 
 def test_keep_best_keeps_the_best_besides_the_newest_through_retirements(tmp_path, ckpt):

@@ -69,6 +69,7 @@ def s3_bucket(monkeypatch):
     server.stop()
 
 
+@pytest.mark.slow
 def test_two_ranks_save_to_s3_and_resume(s3_bucket, tmp_path):
     logs = tmp_path / "logs"
     args = ["model.d_model=32", "model.n_layers=1", "checkpoint.interval_steps=4",

@@ -250,6 +250,7 @@ def test_drain_gives_up_at_the_deadline_and_never_commits_what_it_gave_up(tmp_pa
 
 # ------------------------------------------------------------ training jobs --
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_while_a_process_save_is_in_flight(run_dirs, tmp_path):
     log_file = tmp_path / "job.log"
     proc = start("train", *overrides(run_dirs), nproc=2, log_file=log_file)
@@ -268,6 +269,7 @@ def test_sigterm_to_torchrun_while_a_process_save_is_in_flight(run_dirs, tmp_pat
         assert f"checkpoint of step {in_flight} in " in log_file.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, seed, again", [("SIGTERM", 1, True), ("SIGUSR1", 2, False)],
                          ids=["SIGTERM-twice", "SIGUSR1"])
 def test_signal_to_torchrun_at_a_seeded_moment(run_dirs, tmp_path, sig, seed, again):
@@ -348,7 +350,8 @@ def test_grace_too_short_for_a_save_keeps_the_newest_committed_checkpoint(
     assert stop["resume_step"] == newest.step
 
 
-@pytest.mark.parametrize("cloud, nproc", [("aws", 2), ("gcp", None), ("azure", None)])
+@pytest.mark.parametrize("cloud, nproc", [pytest.param("aws", 2, marks=pytest.mark.slow),
+                                          ("gcp", None), ("azure", None)])
 def test_cloud_notice_stops_training_without_a_signal(run_dirs, tmp_path, metadata_service,
                                                       cloud, nproc):
     log_file = tmp_path / "job.log"

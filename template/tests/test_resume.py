@@ -89,6 +89,7 @@ def reference(tmp_path_factory):
 
 
 # ------------------------------------------------------------ exact resumes --
+@pytest.mark.slow
 def test_same_world_size_resume_is_bit_identical_with_dropout(dropout_reference, tmp_path):
     proc = resume_from(dropout_reference, tmp_path, 2, "model.dropout=0.1")
     assert f"resume: step {RESUME_AT} from" in proc.stdout
@@ -103,13 +104,9 @@ def test_same_world_size_resume_is_bit_identical_with_dropout(dropout_reference,
             assert event[key] == ref[step][key], (step, key, event[key], ref[step][key])
 
 
-# 2 -> 1 runs by default; the other directions cost a reference run each (--run-slow).
-@pytest.mark.parametrize("saved, resumed", [
-    pytest.param(4, 2, marks=pytest.mark.slow),
-    pytest.param(2, 4, marks=pytest.mark.slow),
-    pytest.param(1, 2, marks=pytest.mark.slow),
-    (2, 1),
-])
+# Every direction is a torchrun job with a reference run (--run-slow).
+@pytest.mark.slow
+@pytest.mark.parametrize("saved, resumed", [(4, 2), (2, 4), (1, 2), (2, 1)])
 def test_resume_on_another_world_size_continues_the_run(reference, tmp_path, saved, resumed):
     proc = resume_from(reference(saved), tmp_path, resumed, "model.dropout=0")
     assert "random streams reseeded" in proc.stdout

@@ -15,6 +15,7 @@ SMALL = ["model.d_model=32", "model.n_layers=1", "log.every_steps=4"]
 overrides = overrides_for(*SMALL)
 
 
+@pytest.mark.slow
 def test_two_ranks_save_retain_and_resume(run_dirs, tmp_path):
     args = overrides(run_dirs, "checkpoint.interval_steps=4", "checkpoint.keep_last=2")
     torchrun(2, "train", "train.max_steps=12", *args)
