@@ -77,7 +77,8 @@ def test_a_stop_during_an_evaluation_saves_in_time_and_the_resume_evaluates_firs
     """SIGTERM while an evaluation of many batches runs: it ends at the next batch, the
     final checkpoint commits within the grace period (exit 75), and the resumed run's
     first event after its start is the evaluation of that step."""
-    args = [*SMALL, "data.eval_fraction=0.6", "eval.micro_batch_size=1", "eval.every_steps=3",
+    args = [*SMALL, "data.corpus_chars=120000", "data.eval_fraction=0.6",
+            "eval.micro_batch_size=1", "eval.every_steps=3",
             "model.d_model=64", "model.n_layers=2", "train.max_steps=6",
             "checkpoint.interval_steps=100", "preemption.grace_period_s=20",
             f"checkpoint.dir={tmp_path / 'ckpt'}", f"log.dir={tmp_path / 'logs'}"]

@@ -164,15 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exit_codes.BAD_INPUT
-    mode = AsyncMode(cfg.checkpoint.async_mode)
-    if mode == AsyncMode.sync:
-        print("error: bench measures background saves: checkpoint.async_mode must be "
-              "process or thread", file=sys.stderr)
-        return exit_codes.BAD_INPUT
     if args.dir and "://" in args.dir:
         print(f"error: --dir {args.dir}: bench measures a local path (its disk and read "
               "bounds are local file operations); give a directory on the disk or mounted "
               "filesystem to measure", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    mode = AsyncMode(cfg.checkpoint.async_mode)
+    if mode == AsyncMode.sync:
+        print("error: bench measures background saves: checkpoint.async_mode must be "
+              "process or thread", file=sys.stderr)
         return exit_codes.BAD_INPUT
     try:
         runtime = setup(cfg.distributed.backend)
