@@ -55,6 +55,16 @@ def committed_then_working_template(dst: Path, base: str = "HEAD") -> Path:
     return dst
 
 
+def generated_project(template: Path, project: Path, **data) -> Path:
+    """The template's v1.0.0 rendered into ``project``, committed as a user's first commit."""
+    run_copy(str(template), str(project), data=data, defaults=True, vcs_ref="v1.0.0",
+             quiet=True, unsafe=False)
+    git(project, "init", "-q")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "generated")
+    return project
+
+
 def questions_at(template: Path, ref: str) -> dict[str, dict]:
     """copier.yml's questions at ``ref`` (those stored in the answers file, not computed ones)."""
     text = subprocess.run(["git", "show", f"{ref}:copier.yml"], cwd=template, check=True,
@@ -91,11 +101,7 @@ NON_DEFAULT_ANSWERS = {
 def test_update_merges_template_changes_and_keeps_user_edits(tmp_path):
     template = snapshot_template(tmp_path / "template")
     project = tmp_path / "project"
-    run_copy(str(template), str(project), defaults=True, vcs_ref="v1.0.0", quiet=True,
-             data={"keep_last": 5})
-    git(project, "init", "-q")
-    git(project, "add", "-A")
-    git(project, "commit", "-qm", "generated")
+    generated_project(template, project, keep_last=5)
     # A short run first, with the default checkpoint and log directories inside the
     # project, as a user runs it: its output must not make the checkout dirty, or
     # `copier update` refuses ("Destination repository is dirty").
@@ -141,11 +147,7 @@ def test_update_from_the_committed_template_keeps_every_answer(tmp_path):
         assert value != questions[name].get("default"), name
 
     project = tmp_path / "project"
-    run_copy(str(template), str(project), data=given, defaults=True,
-             vcs_ref="v1.0.0", quiet=True, unsafe=False)
-    git(project, "init", "-q")
-    git(project, "add", "-A")
-    git(project, "commit", "-qm", "generated")
+    generated_project(template, project, **given)
 
     run_update(str(project), defaults=True, overwrite=True, quiet=True, unsafe=False)
 
@@ -175,10 +177,7 @@ def test_update_keeps_the_users_task_while_the_harness_changes(tmp_path):
     with no conflict, the user's task is untouched, and the project still trains."""
     template = snapshot_template(tmp_path / "template")
     project = tmp_path / "project"
-    run_copy(str(template), str(project), defaults=True, vcs_ref="v1.0.0", quiet=True)
-    git(project, "init", "-q")
-    git(project, "add", "-A")
-    git(project, "commit", "-qm", "generated")
+    generated_project(template, project)
     package = package_of(project)
     src = project / "src" / package
 
@@ -239,10 +238,7 @@ def test_update_across_the_reorganisation_keeps_the_task_and_the_loader_setting(
     """
     template = committed_then_working_template(tmp_path / "template", base=BEFORE_FOLDERS)
     project = tmp_path / "project"
-    run_copy(str(template), str(project), defaults=True, vcs_ref="v1.0.0", quiet=True)
-    git(project, "init", "-q")
-    git(project, "add", "-A")
-    git(project, "commit", "-qm", "generated")
+    generated_project(template, project)
     package = package_of(project)
     src = project / "src" / package
     task = src / "task.py"
