@@ -72,7 +72,7 @@ def main() -> None:
     # The project's trainer and checkpointer, saving through the slow storage.
     metrics = _module("runtime.metrics").MetricsLog(None)
     watch = _module("preemption.watch").PreemptionWatch(cfg.preemption.signals)
-    stop = _module("preemption.stop").StopCoordinator(watch, runtime, metrics, 30.0)
+    stop = _module("preemption.stop").StopCoordinator(watch, runtime, 30.0)
     checkpointer = _module("checkpoint").Checkpointer(cfg, runtime, metrics, stop, manager,
                                                       None, None, None)
     trainer = _module("loop.trainer").Trainer(cfg, _module("loop.task_contract").load_task(),

@@ -457,7 +457,7 @@ def coordinator(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)   # not under torchrun
     watch = watch_mod.PreemptionWatch(["SIGTERM", "SIGUSR1"])     # never installed
     runtime = distributed.Runtime(0, 1, 0, torch.device("cpu"), "gloo")
-    return stop_mod.StopCoordinator(watch, runtime, metrics_mod.MetricsLog(None), GRACE)
+    return stop_mod.StopCoordinator(watch, runtime, GRACE)
 
 
 def test_no_request_votes_to_go_on(coordinator):

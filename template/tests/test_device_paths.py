@@ -61,7 +61,7 @@ def test_the_state_adapters_are_reused_across_the_saves_of_a_real_run(tmp_path, 
                  f"checkpoint.dir={tmp_path / 'ckpt'}", f"log.dir={tmp_path / 'logs'}")
     metrics = project_module("runtime.metrics").MetricsLog(None)
     watch = project_module("preemption.watch").PreemptionWatch(cfg.preemption.signals)
-    stop = project_module("preemption.stop").StopCoordinator(watch, one_rank_group, metrics, 30.0)
+    stop = project_module("preemption.stop").StopCoordinator(watch, one_rank_group, 30.0)
     checkpointer = project_module("checkpoint").Checkpointer.open(cfg, one_rank_group, metrics,
                                                                   stop)
     try:

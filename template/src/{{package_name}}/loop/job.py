@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics.say(f"notice: preemption.grace_period_s={cfg.preemption.grace_period_s:g} is "
                     f"longer than {cfg.preemption.notice_source.value}'s notice window; the "
                     f"final save is planned against {grace:g} s")
-    stop = StopCoordinator(watch, runtime, metrics, grace)
+    stop = StopCoordinator(watch, runtime, grace)
     watchdog = _watchdog(cfg, runtime, attempt)
     checkpointer: Checkpointer | None = None
     try:

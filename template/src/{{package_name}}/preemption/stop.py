@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.distributed import Runtime
-from ..runtime.metrics import MetricsLog
 from .watch import PreemptionWatch
 
 
@@ -30,11 +29,9 @@ class Vote:
 
 
 class StopCoordinator:
-    def __init__(self, watch: PreemptionWatch, runtime: Runtime, metrics: MetricsLog,
-                 grace_period_s: float) -> None:
+    def __init__(self, watch: PreemptionWatch, runtime: Runtime, grace_period_s: float) -> None:
         self.watch = watch
         self.runtime = runtime
-        self.metrics = metrics
         self.grace_period_s = grace_period_s
         # Under torchrun the parent is the launcher; it must outlive its workers.
         self.launcher_pid = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None

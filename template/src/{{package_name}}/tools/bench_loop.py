@@ -51,7 +51,7 @@ def build_trainer(cfg: Config, task: Task, runtime: Runtime) -> Bench:
     every boundary, as in training, and always says go on."""
     metrics = MetricsLog(None)
     grace = cfg.preemption.grace_period_s
-    stop = StopCoordinator(PreemptionWatch(cfg.preemption.signals), runtime, metrics, grace)
+    stop = StopCoordinator(PreemptionWatch(cfg.preemption.signals), runtime, grace)
     checkpointer = Checkpointer.open(cfg, runtime, metrics, stop)
     trainer = Trainer(cfg, task, runtime, checkpointer, metrics)
     trainer.resume()                               # a fresh directory: nothing to load
