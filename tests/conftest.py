@@ -44,3 +44,12 @@ def run_in(project: Path, *args: str, timeout: float = 900,
 @pytest.fixture(scope="session")
 def default_project(tmp_path_factory) -> Path:
     return render(tmp_path_factory.mktemp("default") / "my-run")
+
+
+# The longest tests first: with `pytest -n 2` (make test) the two halves of the generated
+# suite start at once, one on each worker, and the shorter tests fill in after them.
+LONGEST_FIRST = ("test_default_project_own_test_suite_passes",)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.name.startswith(LONGEST_FIRST))

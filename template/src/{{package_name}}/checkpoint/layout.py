@@ -29,7 +29,16 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..runtime.distributed import decide_on_rank0
 from . import integrity, safe_load
-from .storage import Storage, StorageError, check_space, human_bytes, probe
+from .outage import with_retries
+from .storage import (
+    Storage,
+    StorageError,
+    StorageUnavailable,
+    check_space,
+    human_bytes,
+    is_transient,
+    probe,
+)
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +267,7 @@ def space_needed(storage: Storage, keep_last: int) -> tuple[int | None, str]:
                     f"each, less {human_bytes(held)} held already")
 
 
-def check_storage(storage: Storage, keep_last: int) -> None:
+def check_storage(storage: Storage, keep_last: int, retry_s: float = 0.0) -> None:
     """The start-up storage check, run by the coordinator, its verdict shared by all ranks.
 
     Raises StorageError (one sentence: checkpoint.dir and the cause) on every rank when
@@ -267,19 +276,24 @@ def check_storage(storage: Storage, keep_last: int) -> None:
     such bucket. Call it before building the model: failing here costs seconds, not the
     compute until the first save.
     """
-    def verdict() -> str | None:
+    def check() -> None:
+        probe(storage)  # first: listing a root that is a file or lacks credentials fails
+        check_space(storage, *space_needed(storage, keep_last))
+
+    def verdict() -> tuple[str, bool] | None:
         try:
-            probe(storage)  # first: listing a root that is a file or lacks credentials fails
-            check_space(storage, *space_needed(storage, keep_last))
+            with_retries(check, f"checkpoint.dir={storage}", retry_s)
         except StorageError as exc:
-            return str(exc)
+            return str(exc), isinstance(exc, StorageUnavailable)
         except Exception as exc:  # noqa: BLE001 - the other ranks wait for a verdict
-            return f"checkpoint.dir={storage} could not be checked: {type(exc).__name__}: {exc}"
+            message = f"checkpoint.dir={storage} could not be checked: {type(exc).__name__}: {exc}"
+            return message, is_transient(exc)
         return None
 
     refused = decide_on_rank0(verdict)
     if refused is not None:
-        raise StorageError(refused)
+        message, unreachable = refused
+        raise (StorageUnavailable if unreachable else StorageError)(message)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..config import AsyncMode
+from ..runtime.distributed import any_rank
 from . import layout
 from .background import start_checkpoint_process, stderr_to
 from .dcp_planner import TrainingStatePlanner
@@ -224,8 +225,18 @@ class CheckpointManager:
                                "wait for it before starting another")
         started = time.perf_counter()
         self.wait_staged()  # a prestage still copying into the buffers
+        prepared: BaseException | None = None
         if self.is_coordinator:
-            layout.make_room(self.storage, step)
+            try:
+                layout.make_room(self.storage, step)
+            except Exception as exc:  # noqa: BLE001 - agreed below, then raised on every rank
+                prepared = exc
+        # Every rank learns at once that the coordinator could not prepare the save:
+        # otherwise the others would enter DCP's collectives alone and wait there.
+        (failed,) = any_rank(prepared is not None)
+        if failed:
+            raise prepared or OSError(f"the coordinator could not prepare the save of step "
+                                      f"{step} in {self.storage.path('')}")
         handed_off = time.perf_counter()
         writer = self.storage.writer(layout.staging_name(step, self.storage))
         if blocking or self.mode == AsyncMode.sync:

@@ -29,6 +29,36 @@ class StorageError(OSError):
     """checkpoint.dir cannot hold checkpoints; the message is one sentence that says why."""
 
 
+class StorageUnavailable(StorageError):
+    """checkpoint.dir cannot be reached now (connection refused, timed out, the service
+    unavailable): an outage that may pass, not a refusal (checkpoint/outage.py)."""
+
+
+# What a store's client raises when the service cannot be reached, by class name: the
+# drivers are optional, so their classes are not imported here.
+UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+               "ConnectionClosedError", "ClientConnectorError", "ServerDisconnectedError",
+               "ServerTimeoutError", "ProxyConnectionError", "HTTPClientError"}
+UNAVAILABLE_CODES = ("ServiceUnavailable", "SlowDown", "InternalError", "RequestTimeout",
+                     "503", "502", "504")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says the storage could not be reached, rather
+    than refused (credentials, permissions, a missing bucket, a full disk)."""
+    for cause in causes(exc):
+        if isinstance(cause, StorageUnavailable):
+            return True
+        if isinstance(cause, (ConnectionError, TimeoutError)):
+            return True
+        if type(cause).__name__ in UNREACHABLE:
+            return True
+        if type(cause).__name__ == "ClientError" and any(
+                code in str(cause) for code in UNAVAILABLE_CODES):
+            return True
+    return False
+
+
 class LocalStorage:
     """A checkpoint root on a POSIX filesystem (local disk, NFS, a mounted volume)."""
 
@@ -245,7 +275,8 @@ class FsspecStorage:
             step = "cannot delete an object from it"
             self.fs.rm_file(self._key(name))
         except Exception as exc:  # noqa: BLE001 - drivers raise their own classes
-            raise StorageError(f"{where} is not usable: {step}: {_store_cause(exc)}") from None
+            kind = StorageUnavailable if is_transient(exc) else StorageError
+            raise kind(f"{where} is not usable: {step}: {store_cause(exc)}") from None
 
 
 Storage = LocalStorage | FsspecStorage
@@ -289,7 +320,7 @@ def describe_save_error(exc: BaseException, path: str) -> str:
         where = f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
     else:
         inner, where = exc, ""
-    for cause in _chain(inner):
+    for cause in causes(inner):
         if isinstance(cause, OSError) and cause.errno:
             return f"checkpoint save to {path} failed{where}: {_os_cause(cause)}"
     message = str(inner).strip().splitlines()[-1] if str(inner).strip() else type(inner).__name__
@@ -310,7 +341,7 @@ def describe_save_error(exc: BaseException, path: str) -> str:
     return f"checkpoint save to {path} failed{where}: {message}{hint}"
 
 
-def _chain(exc: BaseException | None):
+def causes(exc: BaseException | None):
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -324,8 +355,11 @@ def _os_cause(exc: OSError) -> str:
     return f"{text} ({code})" if code else text
 
 
-def _store_cause(exc: Exception) -> str:
+def store_cause(exc: Exception) -> str:
     kind = type(exc).__name__
+    if is_transient(exc):
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"cannot be reached ({kind}{': ' + first if first else ''})"
     if kind == "NoCredentialsError" or "credentials" in str(exc).lower():
         return (f"no credentials found ({kind}): set them in the environment "
                 "(e.g. AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) or attach "

@@ -90,6 +90,7 @@ class TrainConfig:
     precision: Precision = Precision.fp32
     tf32: bool = False          # CUDA: fp32 matrix products and convolutions in TF32
     activation_checkpointing: bool = False
+    compile: bool = False       # torch.compile each shard unit (checkpoint keys unchanged)
 
     def __post_init__(self) -> None:
         require(self.max_steps >= 1, "train.max_steps", "must be >= 1", self.max_steps)
@@ -133,6 +134,7 @@ class CheckpointConfig:
     strict_resume: bool = False     # a checkpoint that fails to load stops the run (no fallback)
     lease_stale_s: float = 120.0    # another job's lease without a heartbeat this long is taken over
     lease_wait_s: float = 60.0      # how long a start waits for a live lease to be released
+    storage_retry_s: float = 120.0  # how long a command waits out unreachable storage (0: no retry)
     keep_best: int = 0              # the best checkpoints by best_metric, kept besides keep_last
     best_metric: str = "eval_loss"  # a field of the eval event (eval_<metric>)
     best_mode: str = "min"          # min | max
@@ -160,6 +162,9 @@ class CheckpointConfig:
             value = getattr(self, key)
             require(math.isfinite(value) and value > 0, f"checkpoint.{key}",
                      "must be a finite number of seconds > 0", value)
+        require(math.isfinite(self.storage_retry_s) and self.storage_retry_s >= 0,
+                "checkpoint.storage_retry_s", "must be a finite number of seconds >= 0",
+                self.storage_retry_s)
 
 
 @dataclass
@@ -237,7 +242,7 @@ class RecoveryConfig:
 class LogConfig:
     dir: str = "logs"
     every_steps: int = 10
-    trackers: list[str] = field(default_factory=list)   # experiment trackers: tensorboard
+    trackers: list[str] = field(default_factory=list)   # tensorboard, wandb, mlflow
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 1, "log.every_steps", "must be >= 1", self.every_steps)
@@ -261,7 +266,7 @@ class EvalConfig:
 
 
 START_METHODS = ("auto", "fork", "forkserver", "spawn")
-TRACKERS = ("tensorboard",)   # log.trackers: the experiment trackers this project writes
+TRACKERS = ("tensorboard", "wandb", "mlflow")   # log.trackers: what this project writes
 
 
 @dataclass

@@ -38,8 +38,9 @@ from pathlib import Path
 from .. import PACKAGE
 from ..checkpoint import Committed, compat, newest_complete_checkpoint, open_storage
 from ..checkpoint.lease import Lease, LeaseHeld
+from ..checkpoint.outage import command_failure, with_retries
 from ..checkpoint.storage import Storage
-from ..config import Config, ConfigError, PreemptionConfig, load_config
+from ..config import Config, ConfigError, PreemptionConfig, VerifyMode, load_config
 from ..loop.sampling import BatchSizeError, split_global_batch
 from ..loop.task_contract import check_config, load_task
 from ..runtime import exit_codes
@@ -185,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     # for --dry-run's JSON.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
+    where = "checkpoint.dir"
     try:
         cfg = load_config(args.config, args.overrides)
+        where = f"checkpoint.dir={cfg.checkpoint.dir}"
         check_config(load_task(), cfg)  # the task's own sections, before torchrun starts
         storage = open_storage(cfg.checkpoint.dir)
         nproc = auto_nproc() if args.nproc_per_node == "auto" else args.nproc_per_node
@@ -195,18 +198,32 @@ def main(argv: list[str] | None = None) -> int:
                                    max_restarts=cfg.recovery.max_restarts,
                                    nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint,
                                    rdzv_id=args.rdzv_id)
-        checkpoint = newest_complete_checkpoint(storage, verify=cfg.checkpoint.verify.value)
+        # What training will resume from. Its checksums are checked once, by training
+        # (rank 0, before loading): here the sizes and the commit record are enough,
+        # and a cloud store's bytes are not read an extra time.
+        checkpoint = with_retries(
+            lambda: newest_complete_checkpoint(storage, verify=VerifyMode.none.value),
+            f"checkpoint.dir={storage}", cfg.checkpoint.storage_retry_s)
         if checkpoint is not None:
             _refuse_another_models_checkpoint(cfg, storage, checkpoint)
         if not args.dry_run:  # one writer per directory: refuse before starting torchrun
-            Lease(storage, stale_s=cfg.checkpoint.lease_stale_s,
-                  wait_s=cfg.checkpoint.lease_wait_s).acquire(take=False)
+            lease = Lease(storage, stale_s=cfg.checkpoint.lease_stale_s,
+                          wait_s=cfg.checkpoint.lease_wait_s)
+            with_retries(lambda: lease.acquire(take=False), f"checkpoint.dir={storage}",
+                         cfg.checkpoint.storage_retry_s)
         point = resume_point(cfg, checkpoint, nproc * args.nnodes)
     # ValueError: the launch builder's refusals; RuntimeError: an object-store URL
     # whose driver is not installed.
     except (ConfigError, BatchSizeError, LeaseHeld, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exit_codes.BAD_INPUT
+    except Exception as exc:
+        failure = command_failure(exc, where)
+        if failure is None:
+            raise
+        status, sentence = failure
+        print(f"error: {sentence}", file=sys.stderr)
+        return status
 
     human = sys.stderr if args.dry_run else sys.stdout
     print(point.describe(cfg.train.micro_batch_size, str(storage)), file=human)
@@ -290,7 +307,12 @@ def exit_status(returncode: int, storage: Storage, before: Committed | None,
         print(f"resume: training ended with exit status {status}: {reason}", file=sys.stderr,
               flush=True)
         return status
-    after = newest_complete_checkpoint(storage, verify="none")  # sizes: quick, in the grace
+    try:
+        after = newest_complete_checkpoint(storage, verify="none")  # sizes: quick, in the grace
+    except Exception as exc:  # noqa: BLE001 - the store down now: judge by the signals alone
+        print(f"resume: cannot list {storage} to see the final checkpoint "
+              f"({exit_codes.error_line(exc, 160)})", file=sys.stderr, flush=True)
+        after = None
     new_preemption_save = (after is not None and after.record.get("reason") == "preemption"
                            and (before is None or (after.name, after.record)
                                 != (before.name, before.record)))

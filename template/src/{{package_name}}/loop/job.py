@@ -41,7 +41,7 @@ from ..checkpoint import (
     open_storage,
 )
 from ..checkpoint.background import stop_background_processes
-from ..config import Config, ConfigError, load_config
+from ..config import Config, ConfigError, load_config, to_plain_dict
 from ..preemption.stop import StopCoordinator
 from ..preemption.watch import PreemptionWatch, effective_grace_s, start_notice_poller
 from ..recovery.attempts import FAILURES, Attempt, cause, gather_previous
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             code, reason = _train(cfg, runtime, checkpointer, stop, watchdog, metrics, attempt,
                                   previous)
         except CheckpointRefused as exc:
-            code, reason = _refuse(exc)
+            code, reason = _refuse(exc, exc.status)
         except BaseException as exc:
             attempt.crashed(exc)
             metrics.event(Event.end, status=exit_codes.FAILED,
@@ -144,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _refuse(reason: object) -> tuple[int, str]:
+def _refuse(reason: object, status: int = exit_codes.BAD_INPUT) -> tuple[int, str]:
     print(f"error: {reason}", file=sys.stderr)
-    return exit_codes.BAD_INPUT, str(reason)
+    return status, str(reason)
 
 
 def _no_restart_in_place(code: int, stop: StopCoordinator, runtime: Runtime,
@@ -261,7 +261,8 @@ def _attach_trackers(cfg: Config, metrics: MetricsLog, resumed: Committed | None
     try:
         metrics.sinks += open_trackers(cfg.log.trackers, cfg.log.dir,
                                        open_storage(cfg.checkpoint.dir),
-                                       resumed.step if resumed is not None else None)
+                                       resumed.step if resumed is not None else None,
+                                       to_plain_dict(cfg))
     except ConfigError as exc:
         return str(exc)
     return None

@@ -1,8 +1,10 @@
 """How the model is spread over the ranks: FSDP2 sharding or DDP replicas, activation
-checkpointing, gradient sync under accumulation, and batches moved to the device."""
+checkpointing, compilation, gradient sync under accumulation, and batches moved to the
+device."""
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 import torch
@@ -36,6 +38,8 @@ def wrap_model(model: nn.Module, units: list[nn.Module], cfg: Config,
     if cfg.train.activation_checkpointing:
         for unit in units:
             checkpoint_activations(unit)
+    if cfg.train.compile:
+        compile_units(units or [model], runtime.device)
     if cfg.distributed.parallelism == Parallelism.fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -72,6 +76,28 @@ def checkpoint_activations(module: nn.Module) -> None:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     module.forward = checkpointed
+
+
+def compile_units(units: list[nn.Module], device: torch.device) -> None:
+    """``torch.compile`` each unit's forward (the shard units, as torchtitan compiles each
+    block; the whole model when the task names none).
+
+    The forward is replaced in place, so parameter names, state dicts and with them
+    checkpoints are the same compiled or not (no ``_orig_mod.`` prefix): a run saved
+    compiled resumes uncompiled and the reverse. Sharding and gradient-sync hooks stay
+    outside the compiled code. The first step pays the compilation.
+    """
+    if device.type == "cpu" and not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")):
+        raise ConfigError("train.compile=true on the CPU needs a C++ compiler (g++ or "
+                          "clang++) on the PATH; install one or use train.compile=false")
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise ConfigError("train.compile=true on CUDA needs triton (pip install triton); "
+                              "or use train.compile=false")
+    for unit in units:
+        unit.forward = torch.compile(unit.forward)
 
 
 def set_gradient_sync(model: nn.Module, parallelism: Parallelism, enabled: bool) -> None:

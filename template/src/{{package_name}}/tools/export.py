@@ -19,7 +19,8 @@ is the one the checkpoint was trained with (commit.json); ``model.*`` overrides 
 command line change it (e.g. a ``model.path`` that moved). ``--format torch`` writes
 ``DIR/model.pt``: ``torch.save`` of the weights by parameter name.
 
-Exit status: 0 written, 1 failed, 2 bad input (no checkpoint, bad arguments, a model
+Exit status: 0 written, 1 failed, 73 the checkpoint storage could not be reached, 2 bad
+input (storage that refuses the credentials, no checkpoint, bad arguments, a model
 configuration that does not match the checkpoint).
 """
 
@@ -44,6 +45,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .. import PACKAGE
 from ..checkpoint import Committed, list_committed, newest_complete_checkpoint, open_storage
 from ..checkpoint.layout import BestRule
+from ..checkpoint.outage import ends_storage_errors
 from ..checkpoint.safe_load import SafeLoadPlanner, UnsafeCheckpointError, unsafe_failure
 from ..checkpoint.storage import Storage
 from ..config import ConfigError, load_config, task_section
@@ -247,7 +249,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog=f"python -m {PACKAGE}.export",
         description="Export a checkpoint's model weights as a Hugging Face model directory "
                     "(--format hf) or one torch.save file (--format torch). CPU only.",
-        epilog="Exit status: 0 written, 1 failed, 2 bad input.")
+        epilog="Exit status: 0 written, 1 failed, 2 bad input, 73 storage unreachable.")
     parser.add_argument("checkpoint", nargs="?", default=None, metavar="CHECKPOINT",
                         help="a checkpoint directory (default: the newest complete one in "
                              "checkpoint.dir)")
@@ -311,6 +313,7 @@ def export(args: argparse.Namespace) -> str:
             f"transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
 
 
+@ends_storage_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:

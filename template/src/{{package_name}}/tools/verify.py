@@ -14,7 +14,8 @@ One table row per checkpoint: step, files, bytes, status, reason. Status ``ok``;
 
 Exit status: 0 nothing failed (also when there is no checkpoint), 1 at least one
 checkpoint FAILED, 2 bad input (configuration, a path that does not exist or is not a
-checkpoint).
+checkpoint, storage that refuses the credentials), 73 the storage could not be reached
+for checkpoint.storage_retry_s (nothing was judged: run again).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from .. import PACKAGE
 from ..checkpoint import layout
+from ..checkpoint.outage import ends_storage_errors, with_retries
 from ..checkpoint.storage import human_bytes, open_storage
 from ..config import OBJECT_STORE_SCHEMES, ConfigError, VerifyMode, load_config
 from ..runtime import exit_codes
@@ -61,6 +63,7 @@ def _split(target: str) -> tuple[str, str | None]:
     return stripped or "/", None
 
 
+@ends_storage_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -78,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         return exit_codes.BAD_INPUT
     try:
         storage = open_storage(root)
-        names = layout.checkpoint_names(storage)
-    except (OSError, RuntimeError) as exc:
+        names = with_retries(lambda: layout.checkpoint_names(storage), root,
+                             cfg.checkpoint.storage_retry_s)
+    except RuntimeError as exc:   # an object-store URL whose driver is not installed
         print(f"error: cannot read {root}: {exc}", file=sys.stderr)
         return exit_codes.BAD_INPUT
     if single is not None:

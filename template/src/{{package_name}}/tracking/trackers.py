@@ -3,9 +3,15 @@ every start of the job.
 
 The run's identity is kept in ``checkpoint.dir`` (``tracking.json``), so it moves with
 the checkpoints: every start that resumes them continues the same tracker run. Points a
-dead attempt logged after its newest checkpoint are superseded, not duplicated: a start
-that resumes step s tells the tracker that everything from step s + 1 on is written
-again (TensorBoard: ``SummaryWriter(purge_step=s + 1)``, which its readers apply).
+dead attempt logged after its newest checkpoint are superseded, not duplicated; each
+tracker has its own way:
+
+- TensorBoard: a start that resumes step s opens its writer with ``purge_step=s + 1``,
+  which TensorBoard's readers apply to the earlier files;
+- W&B: a start that continues the run rewinds it to step s (``resume_from``, W&B's
+  rewind), so the dead attempt's later points are dropped when the run reaches W&B;
+- MLflow keeps every point it is sent and cannot drop one, so a step's points are sent
+  once the checkpoint covering that step is committed (points follow the save interval).
 
 What goes where (scalar tags):
 
@@ -16,21 +22,31 @@ What goes where (scalar tags):
   ``checkpoint/commit_latency_s`` at the saved step;
 - ``preemption`` events: ``stop/signal_to_commit_s``, ``stop/grace_left_s`` at the stop's
   step.
+
+A tracker that fails while training runs (a network error, a full disk) is dropped with
+one line on stderr; training goes on, and ``metrics.jsonl`` still has every event.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
+import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Protocol
 
+from .. import PACKAGE
 from ..checkpoint.storage import Storage
 from ..config import ConfigError
 from ..runtime.metrics import Event
 
 RUN_FILE = "tracking.json"   # in checkpoint.dir: the tracker run these checkpoints belong to
 SKIPPED = {"step", "time", "event"}
+CLOSE_TIMEOUT_S = 60.0       # a tracker's last flush (W&B's finish) may take this long
+MLFLOW_BATCH = 1000          # MLflow's limit of metrics per log_batch call
 
 
 class Tracker(Protocol):
@@ -40,14 +56,19 @@ class Tracker(Protocol):
 
 
 def run_identity(storage: Storage) -> dict[str, Any]:
-    """The tracker run of this checkpoint directory, made at its first start."""
+    """The tracker run of this checkpoint directory, made at its first start: its id,
+    and what each tracker keeps to continue it (``wandb``: started; ``mlflow_run_id``)."""
     try:
         return json.loads(storage.read_text(RUN_FILE))
     except (FileNotFoundError, ValueError):
         run = {"run_id": uuid.uuid4().hex[:16]}
-        storage.makedirs()
-        storage.write_text_durable(RUN_FILE, json.dumps(run) + "\n")
+        remember(storage, run)
         return run
+
+
+def remember(storage: Storage, run: dict[str, Any]) -> None:
+    storage.makedirs()
+    storage.write_text_durable(RUN_FILE, json.dumps(run) + "\n")
 
 
 def scalars(kind: Event, fields: dict[str, Any]) -> tuple[int | None, dict[str, float]]:
@@ -71,6 +92,22 @@ def scalars(kind: Event, fields: dict[str, Any]) -> tuple[int | None, dict[str, 
     return None, {}
 
 
+def flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"lr": 1e-3}}`` -> ``{"train.lr": 1e-3}`` (the trackers' run parameters)."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def missing(name: str, package: str) -> ConfigError:
+    return ConfigError(f"log.trackers=[{name}] needs the {package} package, the project's "
+                       f"`{name}` extra: python -m pip install -e '.[{name}]'")
+
+
 class TensorBoardTracker:
     """TensorBoard event files under ``<log.dir>/tensorboard/<run id>``."""
 
@@ -78,9 +115,7 @@ class TensorBoardTracker:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ConfigError("log.trackers=[tensorboard] needs the tensorboard package, the "
-                              "project's `tensorboard` extra: python -m pip install -e "
-                              "'.[tensorboard]'") from None
+            raise missing("tensorboard", "tensorboard") from None
         self.path = os.path.join(log_dir, "tensorboard", run_id)
         purge = resumed_step + 1 if resumed_step is not None else None
         self.writer = SummaryWriter(self.path, purge_step=purge)
@@ -98,15 +133,184 @@ class TensorBoardTracker:
         self.writer.close()
 
 
+class WandbTracker:
+    """A W&B run whose id is the run id (``WANDB_MODE=offline``: files under
+    ``<log.dir>/wandb``, uploaded later with ``wandb sync``). The project is
+    ``WANDB_PROJECT`` or the package's name."""
+
+    def __init__(self, log_dir: str, run: dict[str, Any], storage: Storage,
+                 config: dict[str, Any], resumed_step: int | None) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise missing("wandb", "wandb") from None
+        kwargs: dict[str, Any] = {
+            "project": os.environ.get("WANDB_PROJECT", PACKAGE), "dir": log_dir,
+            "config": flat(config), "settings": wandb.Settings(console="off")}
+        run_id = run["run_id"]
+        if run.get("wandb"):   # an earlier start made it: rewind to the resumed step
+            kwargs["resume_from"] = f"{run_id}?_step={resumed_step or 0}"
+        else:
+            kwargs.update(id=run_id, resume="allow")
+        self.run = wandb.init(**kwargs)
+        if not run.get("wandb"):
+            run["wandb"] = True
+            remember(storage, run)
+        # Saves commit and stops happen after later steps were logged: their points have
+        # x-axes of their own (W&B's own step only grows).
+        for section in ("checkpoint", "stop"):
+            self.run.define_metric(f"{section}/step")
+            self.run.define_metric(f"{section}/*", step_metric=f"{section}/step")
+        self.step = resumed_step or 0
+
+    def log(self, kind: Event, fields: dict[str, Any]) -> None:
+        step, values = scalars(kind, fields)
+        if step is None or not values:
+            return
+        if kind in (Event.save, Event.preemption):
+            values[f"{'checkpoint' if kind == Event.save else 'stop'}/step"] = step
+        self.step = max(self.step, step)
+        self.run.log(values, step=self.step)
+
+    def close(self) -> None:
+        bounded(self.run.finish, "wandb")
+
+
+class MlflowTracker:
+    """An MLflow run in ``MLFLOW_TRACKING_URI`` (default: the SQLite file
+    ``<log.dir>/mlflow.db``), experiment ``MLFLOW_EXPERIMENT_NAME`` or the package's
+    name. Its id joins the run id in ``tracking.json``.
+
+    MLflow keeps every point sent to it, so a point waits until the checkpoint covering
+    its step is committed: points a crash would make a resumed run log again are never
+    sent twice.
+    """
+
+    def __init__(self, log_dir: str, run: dict[str, Any], storage: Storage,
+                 config: dict[str, Any], resumed_step: int | None) -> None:
+        try:
+            from mlflow.entities import Metric, Param
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise missing("mlflow", "mlflow-skinny") from None
+        self.metric = Metric
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (
+            f"sqlite:///{os.path.abspath(os.path.join(log_dir, 'mlflow.db'))}")
+        os.makedirs(log_dir, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=uri)
+        self.run_id = run.get("mlflow_run_id")
+        if self.run_id is None:
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", PACKAGE)
+            experiment = self.client.get_experiment_by_name(name)
+            experiment_id = (experiment.experiment_id if experiment is not None
+                             else self.client.create_experiment(name))
+            self.run_id = self.client.create_run(experiment_id, run_name=run["run_id"]).info.run_id
+            params = [(k, str(v)[:6000]) for k, v in flat(config).items()]
+            for first in range(0, len(params), 100):
+                self.client.log_batch(self.run_id, params=[
+                    Param(k, v) for k, v in params[first:first + 100]])
+            run["mlflow_run_id"] = self.run_id
+            remember(storage, run)
+        else:
+            self.client.update_run(self.run_id, status="RUNNING")
+        self.committed = resumed_step or 0   # points up to here are in MLflow already
+        self.pending: list[Any] = []
+
+    def log(self, kind: Event, fields: dict[str, Any]) -> None:
+        step, values = scalars(kind, fields)
+        if kind == Event.save and fields.get("step") is not None:
+            self.committed = max(self.committed, fields["step"])
+        if step is not None and values:
+            now = int(time.time() * 1000)
+            self.pending += [self.metric(k, v, now, step) for k, v in values.items()]
+        self.send()
+
+    def send(self) -> None:
+        ready = [m for m in self.pending if m.step <= self.committed]
+        if not ready:
+            return
+        self.pending = [m for m in self.pending if m.step > self.committed]
+        for first in range(0, len(ready), MLFLOW_BATCH):
+            self.client.log_batch(self.run_id, metrics=ready[first:first + MLFLOW_BATCH])
+
+    def close(self) -> None:
+        # Points after the newest commit stay unsent: the run that resumes logs them.
+        self.send()
+        bounded(lambda: self.client.set_terminated(self.run_id), "mlflow")
+
+
+def bounded(call: Callable[[], Any], name: str, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+    """Run a tracker's closing call, waiting at most ``timeout_s`` for it."""
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - reported below, training is done
+            failure.append(exc)
+        done.set()
+
+    threading.Thread(target=target, name=f"close-{name}", daemon=True).start()
+    if not done.wait(timeout_s):
+        print(f"log.trackers: {name} did not finish closing within {timeout_s:g} s; "
+              "going on without waiting", file=sys.stderr, flush=True)
+    elif failure:
+        print(f"log.trackers: {name} failed to close: {failure[0]}", file=sys.stderr,
+              flush=True)
+
+
+class Guarded:
+    """A tracker whose failures drop it (one line on stderr) instead of the run."""
+
+    def __init__(self, name: str, tracker: Tracker) -> None:
+        self.name, self.tracker = name, tracker
+
+    def log(self, kind: Event, fields: dict[str, Any]) -> None:
+        if self.tracker is None:
+            return
+        try:
+            self.tracker.log(kind, fields)
+        except Exception as exc:  # noqa: BLE001 - a tracker must not end training
+            print(f"log.trackers: {self.name} failed ({type(exc).__name__}: {exc}); "
+                  "training goes on without it (metrics.jsonl has every event)",
+                  file=sys.stderr, flush=True)
+            self.tracker = None
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            tracker, self.tracker = self.tracker, None
+            try:
+                tracker.close()
+            except Exception as exc:  # noqa: BLE001 - reported, training is done
+                print(f"log.trackers: {self.name} failed to close: {exc}",
+                      file=sys.stderr, flush=True)
+
+
 def open_trackers(names: list[str], log_dir: str, storage: Storage,
-                  resumed_step: int | None) -> list[Tracker]:
+                  resumed_step: int | None, config: dict[str, Any]) -> list[Tracker]:
     """The trackers ``log.trackers`` names, continuing this checkpoint directory's run
-    (rank 0 only). ``resumed_step``: the step this start resumed from (None: fresh)."""
+    (rank 0 only). ``resumed_step``: the step this start resumed from (None: fresh);
+    ``config``: the resolved configuration, the run's parameters.
+
+    A tracker whose package is missing is a ConfigError (exit 2); one that cannot start
+    (a tracking server down) is left out with one line on stderr."""
     if not names:
         return []
     run = run_identity(storage)
+    openers: dict[str, Callable[[], Tracker]] = {
+        "tensorboard": lambda: TensorBoardTracker(log_dir, run["run_id"], resumed_step),
+        "wandb": lambda: WandbTracker(log_dir, run, storage, config, resumed_step),
+        "mlflow": lambda: MlflowTracker(log_dir, run, storage, config, resumed_step),
+    }
     trackers: list[Tracker] = []
     for name in names:
-        if name == "tensorboard":
-            trackers.append(TensorBoardTracker(log_dir, run["run_id"], resumed_step))
+        try:
+            trackers.append(Guarded(name, openers[name]()))
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a tracker must not end training
+            print(f"log.trackers: {name} could not start ({type(exc).__name__}: {exc}); "
+                  "training goes on without it (metrics.jsonl has every event)",
+                  file=sys.stderr, flush=True)
     return trackers
