@@ -7,6 +7,7 @@ tests/s3_server.py); the protocol tests use fsspec's in-memory filesystem.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from s3_server import SeaweedS3, weed_binary
 
 from conftest import (
     descendants,
@@ -27,7 +29,6 @@ from conftest import (
     torchrun,
     wait_until,
 )
-from s3_server import SeaweedS3, weed_binary
 
 fsspec = pytest.importorskip("fsspec")
 
@@ -183,7 +184,7 @@ def test_an_s3_outage_during_training_and_a_kill_mid_upload_lose_nothing(
     steps = read_events(logs, "step")
     assert sorted(e["step"] for e in steps) == list(range(1, 101))
     during = [e["time"] for e in steps if outage_began - 5 <= e["time"] <= outage_ended + 30]
-    gaps = [b - a for a, b in zip(during, during[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(during)]
     assert gaps and max(gaps) < 30, f"training stalled {max(gaps):.1f} s during the outage"
     assert any(e["step"] > 10 for e in read_events(logs, "save")), "saves resumed after it"
 
