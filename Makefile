@@ -29,10 +29,11 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.demo-installed
 	$(PY) -c "import torch; print('torch', torch.__version__)"
 	touch $@
 
-# Both cores: the two halves of a default render's own suite run side by side
-# (tests/test_render.py), the other tests fill in around them.
+# Two workers: one runs a default render's own suite (itself in two halves side by side,
+# tests/test_render.py), the other every other test; an idle worker takes over tests
+# still queued for the busy one (worksteal).
 test: venv
-	$(PY) -m pytest -n 2 tests
+	$(PY) -m pytest -n 2 --dist worksteal tests
 
 # Lint, then every test not marked slow: the template's own checks and the quick part
 # of a default render's own suite (test_render.py::test_default_project_fast_tier_passes).

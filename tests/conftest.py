@@ -46,8 +46,8 @@ def default_project(tmp_path_factory) -> Path:
     return render(tmp_path_factory.mktemp("default") / "my-run")
 
 
-# The longest tests first: with `pytest -n 2` (make test) the two halves of the generated
-# suite start at once, one on each worker, and the shorter tests fill in after them.
+# The longest test first: with `pytest -n 2 --dist worksteal` (make test) it starts at
+# once on one worker, and the other worker takes the rest of that worker's queue.
 LONGEST_FIRST = ("test_default_project_own_test_suite_passes",)
 
 

@@ -92,6 +92,7 @@ NON_DEFAULT_ANSWERS = {
     "cloud": "gcp",
     "launchers": ["slurm", "kubernetes"],  # in the order of the choices, as copier stores them
     "gpus_per_node": 4,
+    "cpus_per_node": 16,
     "image": "ghcr.io/lab/spot:v1",
     "checkpoint_size_gb": 40.0,
     "parallelism": "ddp",

@@ -165,8 +165,9 @@ def test_an_s3_outage_during_training_and_a_kill_mid_upload_lose_nothing(
         s3_server, s3_bucket, tmp_path):
     """The server stopped for a while during two-rank training, then started again: the
     saves that fail are retried at the next interval, training never waits long, and the
-    run finishes. Then the whole job SIGKILLed while it uploads, and resumed on one rank:
-    nothing torn, every step logged once after the resume point."""
+    run finishes. Then a preemption (its final save committed in the bucket), the whole
+    job SIGKILLed while it uploads, and a resume on one rank: nothing torn, every step
+    logged once after the resume point."""
     logs = tmp_path / "logs"
     args = [*S3_RUN, "checkpoint.interval_steps=2", "checkpoint.keep_last=2",
             "checkpoint.max_failed_saves=1000", "model.d_model=96", "model.n_layers=2",
@@ -187,6 +188,18 @@ def test_an_s3_outage_during_training_and_a_kill_mid_upload_lose_nothing(
     gaps = [b - a for a, b in itertools.pairwise(during)]
     assert gaps and max(gaps) < 30, f"training stalled {max(gaps):.1f} s during the outage"
     assert any(e["step"] > 10 for e in read_events(logs, "save")), "saves resumed after it"
+
+    # Preempted: SIGTERM to torchrun, as a scheduler sends it; the final save commits.
+    proc = start("train", *args, "train.max_steps=400", log_file=log, nproc=2)
+    saves_before = len(read_events(logs, "save"))
+    wait_until(lambda: len(read_events(logs, "save")) >= saves_before + 2, proc,
+               "two more saves", timeout=300, log_file=log)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 75, log.read_text()[-3000:]
+    [stop] = read_events(logs, "preemption")
+    final = json.loads(s3().cat_file(
+        f"{s3_bucket.removeprefix('s3://')}/step_{stop['stop_step']:09d}/commit.json"))
+    assert final["step"] == stop["stop_step"] and final["reason"] == "preemption"
 
     # Killed mid-upload: SIGKILL to the whole job while a save is in flight.
     proc = start("train", *args, "train.max_steps=400", log_file=log, nproc=2)

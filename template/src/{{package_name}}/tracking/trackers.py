@@ -9,7 +9,10 @@ tracker has its own way:
 - TensorBoard: a start that resumes step s opens its writer with ``purge_step=s + 1``,
   which TensorBoard's readers apply to the earlier files;
 - W&B: a start that continues the run rewinds it to step s (``resume_from``, W&B's
-  rewind), so the dead attempt's later points are dropped when the run reaches W&B;
+  rewind), so the dead attempt's later points are dropped when the run reaches W&B.
+  W&B's client writes to disk (offline) or sends every half second here (its default
+  is 15 s): a job killed without warning loses at most that last half second of points
+  before its checkpoint;
 - MLflow keeps every point it is sent and cannot drop one, so a step's points are sent
   once the checkpoint covering that step is committed (points follow the save interval).
 
@@ -47,6 +50,8 @@ RUN_FILE = "tracking.json"   # in checkpoint.dir: the tracker run these checkpoi
 SKIPPED = {"step", "time", "event"}
 CLOSE_TIMEOUT_S = 60.0       # a tracker's last flush (W&B's finish) may take this long
 MLFLOW_BATCH = 1000          # MLflow's limit of metrics per log_batch call
+# W&B writes its run file every 15 s by default: a killed job would lose that much.
+WANDB_FLUSH, WANDB_FLUSH_S = "x_transaction_log_flush_interval", 0.5
 
 
 class Tracker(Protocol):
@@ -93,7 +98,8 @@ def scalars(kind: Event, fields: dict[str, Any]) -> tuple[int | None, dict[str, 
 
 
 def flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"train": {"lr": 1e-3}}`` -> ``{"train.lr": 1e-3}`` (the trackers' run parameters)."""
+    """Nested sections as dotted keys (``train`` / ``lr`` becomes ``train.lr``): the
+    trackers' run parameters."""
     out: dict[str, Any] = {}
     for key, value in config.items():
         if isinstance(value, dict):
@@ -144,9 +150,12 @@ class WandbTracker:
             import wandb
         except ImportError:
             raise missing("wandb", "wandb") from None
+        settings: dict[str, Any] = {"console": "off"}
+        if WANDB_FLUSH in getattr(wandb.Settings, "model_fields", {}):
+            settings[WANDB_FLUSH] = WANDB_FLUSH_S
         kwargs: dict[str, Any] = {
             "project": os.environ.get("WANDB_PROJECT", PACKAGE), "dir": log_dir,
-            "config": flat(config), "settings": wandb.Settings(console="off")}
+            "config": flat(config), "settings": wandb.Settings(**settings)}
         run_id = run["run_id"]
         if run.get("wandb"):   # an earlier start made it: rewind to the resumed step
             kwargs["resume_from"] = f"{run_id}?_step={resumed_step or 0}"
