@@ -59,6 +59,8 @@ class FakeManager:
         self.abandoned = False
         self.closed = False
         self.slow = False   # a save in flight is still being written: only wait() ends it
+        self.outage = False  # failures are unreachable storage, not a broken process
+        self.broken_save = False
 
     @property
     def in_flight(self) -> bool:
@@ -85,7 +87,9 @@ class FakeManager:
             return None
         step, self.in_flight_step = self.in_flight_step, None
         if self._failing:
-            self.record_failure(step, OSError("No space left on device"), "failed")
+            error = (ConnectionRefusedError(111, "Connection refused") if self.outage
+                     else OSError("No space left on device"))
+            self.record_failure(step, error, "failed")
             return None
         self.last_committed = SaveResult(step, self._reason, mode, 0.001, 0.002,
                                          f"/ckpt/step_{step:09d}", write_s=self.write_s)
@@ -105,6 +109,7 @@ class FakeManager:
         self.abandoned = True
 
     def record_failure(self, step, exc, what):
+        self.broken_save |= not isinstance(exc, ConnectionError)
         self.failed_saves += 1
         self.last_error = f"the save of step {step} {what}: {exc}"
         return self.last_error
@@ -305,6 +310,18 @@ def test_a_failed_save_makes_later_saves_synchronous(metrics):
     assert "a background save failed" in changed["reason"]
     policy.decide(6, boundary)
     assert manager.saves[-1] == (6, "interval", True)  # stays synchronous
+
+
+def test_a_save_failed_on_unreachable_storage_keeps_saves_in_the_background(metrics):
+    manager, boundary = FakeManager(), FakeBoundary()
+    manager.outage = True
+    policy = make_policy(manager, metrics, interval=2, final=100, max_failed=3)
+    manager.failures = 1
+    assert policy.decide(2, boundary).saved           # fails in the background
+    policy.decide(3, boundary)                        # the failure is found
+    assert policy.decide(4, boundary).saved and not policy.synchronous
+    assert manager.saves == [(2, "interval", False), (4, "interval", False)]
+    assert not events(metrics, "save_mode_changed")
 
 
 def test_saves_failing_max_times_in_a_row_stop_as_not_saved(metrics):

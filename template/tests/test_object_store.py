@@ -188,6 +188,9 @@ def test_an_s3_outage_during_training_and_a_kill_mid_upload_lose_nothing(
     gaps = [b - a for a, b in itertools.pairwise(during)]
     assert gaps and max(gaps) < 30, f"training stalled {max(gaps):.1f} s during the outage"
     assert any(e["step"] > 10 for e in read_events(logs, "save")), "saves resumed after it"
+    # The checkpoint process was fine all along: saves stay in the background.
+    assert not read_events(logs, "save_mode_changed")
+    assert {e["mode"] for e in read_events(logs, "save")} == {"process"}
 
     # Preempted: SIGTERM to torchrun, as a scheduler sends it; the final save commits.
     proc = start("train", *args, "train.max_steps=400", log_file=log, nproc=2)

@@ -36,7 +36,13 @@ from .background import start_checkpoint_process, stderr_to
 from .dcp_planner import TrainingStatePlanner
 from .lease import Lease
 from .staging import ReusingStager
-from .storage import Storage, describe_save_error
+from .storage import (
+    Storage,
+    StorageUnavailable,
+    describe_save_error,
+    is_transient,
+    save_failures,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +122,7 @@ class CheckpointManager:
         self.last_committed: SaveResult | None = None
         self.failed_saves = 0
         self.last_error: str | None = None
+        self.broken_save = False   # a failure since the policy last looked, not an outage
 
     # ---------------------------------------------------------------- startup --
     def warm_up(self, state: dict[str, Any] | None, timeout_s: float,
@@ -233,10 +240,12 @@ class CheckpointManager:
                 prepared = exc
         # Every rank learns at once that the coordinator could not prepare the save:
         # otherwise the others would enter DCP's collectives alone and wait there.
-        (failed,) = any_rank(prepared is not None)
+        failed, unreachable = any_rank(prepared is not None,
+                                       prepared is not None and is_transient(prepared))
         if failed:
-            raise prepared or OSError(f"the coordinator could not prepare the save of step "
-                                      f"{step} in {self.storage.path('')}")
+            raise prepared or (StorageUnavailable if unreachable else OSError)(
+                f"the coordinator could not prepare the save of step {step} in "
+                f"{self.storage.path('')}")
         handed_off = time.perf_counter()
         writer = self.storage.writer(layout.staging_name(step, self.storage))
         if blocking or self.mode == AsyncMode.sync:
@@ -345,6 +354,9 @@ class CheckpointManager:
                     + "; the previous checkpoint stays the newest")
         self.failed_saves += 1
         self.last_error = sentence
+        # Anything but unreachable storage may mean a broken checkpoint process (policy.py
+        # then saves synchronously); an outage does not.
+        self.broken_save |= exc is None or not all(map(is_transient, save_failures(exc)))
         log.error("%s", sentence)
         return sentence
 

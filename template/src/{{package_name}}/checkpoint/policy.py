@@ -154,7 +154,11 @@ class SavePolicy:
                 last = self.manager.last_error or "see the log of the rank where it failed"
                 return StepDecision(stop=True, why="not_saved", detail=(
                     f"{self.failed_in_a_row} save(s) in a row failed, the last: {last}"))
-            if not self.synchronous:
+            # A broken checkpoint process is left for synchronous saves; a save that only
+            # met unreachable storage is not (the process is fine: the next one may work).
+            (broken,) = any_rank(self.manager.broken_save)
+            self.manager.broken_save = False
+            if broken and not self.synchronous:
                 self._go_synchronous(step, "a background save failed")
         else:
             self.failed_in_a_row = 0

@@ -304,6 +304,15 @@ def check_space(storage: Storage, needed_bytes: int | None, detail: str = "") ->
             f"{human_bytes(free)} free")
 
 
+def save_failures(exc: BaseException) -> list[BaseException]:
+    """The failure of each rank in DCP's CheckpointException (its ``failures``), or the
+    exception itself."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return [exc]
+
+
 def describe_save_error(exc: BaseException, path: str) -> str:
     """One sentence for a failed save: which path, which rank, and why (errno when known).
 
