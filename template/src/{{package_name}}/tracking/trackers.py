@@ -11,8 +11,9 @@ tracker has its own way:
 - W&B: a start that continues the run rewinds it to step s (``resume_from``, W&B's
   rewind), so the dead attempt's later points are dropped when the run reaches W&B.
   W&B's client writes to disk (offline) or sends every half second here (its default
-  is 15 s): a job killed without warning loses at most that last half second of points
-  before its checkpoint;
+  is 15 s); what it had not written when the job was killed without warning is lost
+  (on a loaded machine it falls behind: a killed attempt was seen to lose all its
+  points), the resumed run logs only the steps after its checkpoint;
 - MLflow keeps every point it is sent and cannot drop one, so a step's points are sent
   once the checkpoint covering that step is committed (points follow the save interval).
 
