@@ -4,6 +4,10 @@ Everything above this module speaks in names relative to the checkpoint root. A 
 (or network-mounted) filesystem can rename a directory atomically; an object store
 cannot, which is why the commit protocol never relies on rename alone: the
 ``commit.json`` file written last is what makes a checkpoint count.
+
+A little over 400 lines: the two storages, their probe, and telling a refusal from an
+outage (``is_transient``, which both probes need; the retry policy that uses it is in
+``outage.py``) belong to one concern, what the bytes' home can and cannot do.
 """
 
 from __future__ import annotations
