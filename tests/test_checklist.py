@@ -31,20 +31,21 @@ PLAN_JINJA = "includes/plan.jinja"
 # `copier update`; the config spells seconds `_s` like its other keys).
 PLAN_KEYS = {"mtbi_hours": "mtbi_hours", "step_time_seconds": "step_time_s",
              "checkpoint_save_seconds": "checkpoint_save_s", "restart_seconds": "restart_s",
-             "badput_target_percent": "badput_target_percent"}
+             "badput_target_percent": "badput_target_percent", "nodes": "nodes"}
 
 ANSWER_SETS = {
     "defaults": {},
     # Spot machines interrupted hourly with a slow restart: R/M alone is 16.7 %.
     "spot-unreachable": {
         "mtbi_hours": 1.0, "checkpoint_save_seconds": 60.0,
-        "restart_seconds": 600.0, "badput_target_percent": 5.0,
+        "restart_seconds": 600.0, "badput_target_percent": 5.0, "nodes": 2,
         "launchers": ["kubernetes", "slurm"], "cloud": "aws", "grace_period_seconds": 90.0,
         "checkpoint_dir": "/tmp/ckpt", "async_mode": "sync",
     },
     "dedicated": {
-        "project_name": "big-run", "mtbi_hours": 72.0, "step_time_seconds": 0.35,
-        "checkpoint_save_seconds": 45.0, "restart_seconds": 300.0, "badput_target_percent": 2.0,
+        # 72 h per node on 2 nodes: the job is interrupted every 36 h.
+        "project_name": "big-run", "mtbi_hours": 72.0, "nodes": 2, "step_time_seconds": 0.35,
+        "checkpoint_save_seconds": 45.0, "restart_seconds": 300.0, "badput_target_percent": 4.0,
         "cloud": "gcp", "checkpoint_dir": "s3://bucket/big-run", "async_mode": "thread",
         "launchers": ["skypilot"], "grace_period_seconds": 25.0,
     },
@@ -87,7 +88,9 @@ def expected_rows(plan: dict) -> dict[str, list[str]]:
     n, n_max, bound = (plan["interval_steps"], plan["max_interval_steps_for_target"],
                        plan["simple_bound_max_interval_steps"])
     return {
-        "M": [g(i["mtbi_hours"]), f0(i["mtbi_seconds"])],
+        "M_node": [g(i["mtbi_hours"])],
+        "n": [str(i["nodes"])],
+        "M": [g(i["job_mtbi_hours"]), f0(i["mtbi_seconds"])],
         "T": [g(i["step_seconds"])],
         "δ": [g(i["blocking_seconds"])],
         "L": [g(i["commit_latency_seconds"])],
@@ -120,7 +123,8 @@ def numeric(answers: dict) -> dict:
     """The recorded answers with the numbers as numbers (the answers file records the
     numeric questions as text: they are `type: str` in copier.yml)."""
     floats = set(PLAN_KEYS) | {"grace_period_seconds"}
-    return {name: float(value) if name in floats else int(value) if name == "keep_last"
+    return {name: float(value) if name in floats - {"nodes"}
+            else int(value) if name in ("keep_last", "nodes")
             else value for name, value in answers.items()}
 
 
@@ -144,7 +148,7 @@ def project(request, tmp_path_factory):
                     "--blocking-seconds", save, "--commit-latency-seconds", save,
                     "--restart-seconds", repr(answers["restart_seconds"]),
                     "--badput-target-percent", repr(answers["badput_target_percent"]),
-                    "--in-place-restart-seconds", "0")
+                    "--nodes", str(answers["nodes"]), "--in-place-restart-seconds", "0")
     assert proc.returncode == 0, proc.stderr
     checklist = (dst / "docs" / "CHECKLIST.md").read_text(encoding="utf-8")
     return {"dst": dst, "answers": answers, "package": package, "plan": json.loads(proc.stdout),
@@ -330,6 +334,7 @@ def test_copy_time_formulas_equal_plan_model_on_random_answers():
     evaluate = copy_time_plan()
     rng = random.Random(5)
     kinds = {"reachable": 0, "no window": 0, "window between steps": 0}
+    nodes_seen = set()
     for k in range(500):
         answers = {
             "mtbi_hours": math.exp(rng.uniform(math.log(0.05), math.log(500))),
@@ -337,21 +342,26 @@ def test_copy_time_formulas_equal_plan_model_on_random_answers():
             "checkpoint_save_seconds": math.exp(rng.uniform(math.log(0.01), math.log(2000))),
             "restart_seconds": 0.0 if k % 10 == 0 else rng.uniform(0, 3000),
             "badput_target_percent": math.exp(rng.uniform(math.log(0.1), math.log(90))),
+            # One node, or a job of several whose MTBI is the node's / nodes.
+            "nodes": 1 if k % 3 == 0 else rng.choice([2, 3, 8, 64, 1024]),
         }
         if k % 9 == 0:  # a save longer than 2M: τ* = M
             answers["checkpoint_save_seconds"] = answers["mtbi_hours"] * 3600 * rng.uniform(2, 5)
         elif k % 5 == 0:  # near an answer set whose target window falls between two steps
             answers.update({key: value * rng.uniform(0.98, 1.02) for key, value in
                             ANSWER_SETS["between-steps-unreachable"].items()
-                            if key != "launchers"})
+                            if key not in ("launchers", "nodes")})
         got = evaluate(answers)
+        nodes_seen.add(answers["nodes"])
         d = answers["checkpoint_save_seconds"]
         p = plan.make_plan(plan.Inputs(answers["mtbi_hours"], answers["step_time_seconds"], d, d,
                                        answers["restart_seconds"],
-                                       answers["badput_target_percent"]))
+                                       answers["badput_target_percent"],
+                                       nodes=answers["nodes"]))
         out = report.to_json(p)
         c = out["badput_components_percent"]
         # Same operations in the same order: equal floats, not merely close ones.
+        assert (got.M, got.job_mtbi_hours) == (p.inputs.mtbi_seconds, p.inputs.job_mtbi_hours)
         assert (got.tau_seconds, got.interval_steps, got.badput_percent) \
             == (p.daly_interval_seconds, p.interval_steps, 100 * p.expected_badput), answers
         window = out["target_window_seconds"] or [None, None]
@@ -378,6 +388,7 @@ def test_copy_time_formulas_equal_plan_model_on_random_answers():
         else:
             kinds["window between steps"] += 1
     assert min(kinds.values()) >= 3, kinds
+    assert {1, 1024} <= nodes_seen, nodes_seen
 
 
 # ------------------------------------------- grace period against the notice ----

@@ -26,14 +26,23 @@ import yaml
 from conftest import render
 
 KUBERNETES_VERSION = "1.30.0"  # the oldest release the Job's fields need (podFailurePolicy GA)
+# Several nodes: an Indexed Job with backoffLimitPerIndex (GA in 1.33); the file says so.
+MULTI_NODE_KUBERNETES_VERSION = "1.33.0"
 ALL = {"launchers": ["slurm", "kubernetes", "skypilot"], "project_name": "Spot Trainer",
        "gpus_per_node": 4, "keep_last": 2, "checkpoint_size_gb": 20.0,
        "grace_period_seconds": 45.0}
+MULTI_NODE = {**ALL, "nodes": 2}
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
     return render(tmp_path_factory.mktemp("launchers") / "p", **ALL)
+
+
+@pytest.fixture(scope="module")
+def multi_node(tmp_path_factory) -> Path:
+    """Every launcher for a job on two nodes."""
+    return render(tmp_path_factory.mktemp("multi-node") / "p", **MULTI_NODE)
 
 
 def kubernetes_docs(project: Path) -> dict[str, dict]:
@@ -54,6 +63,28 @@ def test_gpus_per_node_reaches_every_launcher(project):
     assert container["args"][:2] == ["--nproc-per-node", "4"]
     sky = yaml.safe_load((project / "launch/skypilot.yaml").read_text())
     assert sky["resources"]["accelerators"].endswith(":4")
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_node_count_reaches_every_launcher(project, multi_node, nodes):
+    """One `resume` per node everywhere; Kubernetes runs one pod per node."""
+    path = multi_node if nodes == 2 else project
+    directives = [line for line in (path / "launch/slurm.sbatch").read_text().splitlines()
+                  if line.startswith("#SBATCH ")]
+    assert f"#SBATCH --nodes={nodes}" in directives
+    assert "#SBATCH --ntasks-per-node=1" in directives
+    sky = yaml.safe_load((path / "launch/skypilot.yaml").read_text())
+    assert sky["num_nodes"] == nodes and '--nnodes "$SKYPILOT_NUM_NODES"' in sky["run"]
+    job = kubernetes_docs(path)["Job"]["spec"]
+    args = job["template"]["spec"]["containers"][0]["args"]
+    if nodes == 1:   # unchanged: one pod, no rendezvous flags
+        assert "completionMode" not in job and "--nnodes" not in args
+    else:
+        assert job["completionMode"] == "Indexed"
+        assert job["completions"] == job["parallelism"] == nodes
+        assert args[args.index("--nnodes") + 1] == str(nodes)
+    config = yaml.safe_load((path / "configs/train.yaml").read_text())
+    assert config["plan"]["nodes"] == nodes
 
 
 # ------------------------------------------------------------- Kubernetes ----
@@ -107,6 +138,58 @@ def test_kubernetes_file_is_valid_for_kubernetes(tmp_path, answers):
     assert f"docker build -t {container['image']} ." in dockerfile
 
 
+def test_multi_node_kubernetes_file_is_valid_and_meets_at_pod_0(project, multi_node):
+    """nodes=2: an Indexed Job of two pods, one per node, meeting at pod 0 through a
+    headless Service, on a volume several nodes can mount; valid for the release its
+    header names and for the latest."""
+    text = (multi_node / "launch/kubernetes.yaml").read_text()
+    stated = re.search(r"^# Needs Kubernetes (\d+\.\d+) or later", text, re.MULTILINE)
+    assert stated and f"{stated.group(1)}.0" == MULTI_NODE_KUBERNETES_VERSION
+    docs = kubernetes_docs(multi_node)
+    assert set(docs) == {"PersistentVolumeClaim", "Service", "Job"}
+    for doc in docs.values():
+        kubernetes_validate.validate(doc, MULTI_NODE_KUBERNETES_VERSION, strict=True)
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+    job, service, claim = docs["Job"], docs["Service"], docs["PersistentVolumeClaim"]
+    name, spec = job["metadata"]["name"], job["spec"]
+    pod = spec["template"]["spec"]
+    # Pod i is <job>-i.<subdomain>: the subdomain is the headless Service, which selects
+    # the Job's pods and publishes pod 0's address before it is Ready.
+    assert pod["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": name}
+    assert [port["port"] for port in service["spec"]["ports"]] == [29500]
+    container = pod["containers"][0]
+    args = container["args"]
+    assert args[args.index("--rdzv-endpoint") + 1] == f"{name}-0.{pod['subdomain']}:29500"
+    assert args[args.index("--rdzv-id") + 1] == "$(JOB_ID)"
+    (env,) = [e for e in container["env"] if e["name"] == "JOB_ID"]
+    assert env["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['batch.kubernetes.io/controller-uid']"
+    assert args[-1] == "checkpoint.dir=/checkpoints"
+    (term,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"] == {"matchLabels": {"batch.kubernetes.io/job-name": name}}
+    # Retries per index; one index out of them ends the Job; a replacement only once the
+    # old pod is terminal (the only value allowed with a podFailurePolicy).
+    assert spec["backoffLimitPerIndex"] == 3 and spec["maxFailedIndexes"] == 0
+    assert spec["podReplacementPolicy"] == "Failed" and "backoffLimit" not in spec
+    # Pods on several nodes mount the claim: ReadWriteMany, and the file says where from.
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    for kind in ("NFS", "Filestore", "EFS", "CephFS", "checkpoint.dir=s3://"):
+        assert kind in text, kind
+    # The rest as on one node: the same policy, grace budget, claim, image and user.
+    single = kubernetes_docs(project)
+    assert single["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadWriteOnce"]
+    single_pod = single["Job"]["spec"]["template"]["spec"]
+    assert spec["podFailurePolicy"] == single["Job"]["spec"]["podFailurePolicy"]
+    for key in ("terminationGracePeriodSeconds", "securityContext", "volumes",
+                "restartPolicy"):
+        assert pod[key] == single_pod[key], key
+    assert container["image"] == single_pod["containers"][0]["image"]
+
+
 def pod_failure_action(policy: dict, exit_code: int, disrupted: bool = False) -> str:
     """What the Job controller does with a failed pod: the first matching rule decides
     (Kubernetes' podFailurePolicy); no match counts the failure against backoffLimit."""
@@ -122,11 +205,15 @@ def pod_failure_action(policy: dict, exit_code: int, disrupted: bool = False) ->
     return "Count"
 
 
-def test_pod_failure_policy_retries_stops_and_counts(project):
-    """75 and a disruption are retried for free; 79 fails the Job (never retried); 73,
-    2 (a lease not yet stale refuses too) and crashes count against backoffLimit."""
-    policy = kubernetes_docs(project)["Job"]["spec"]["podFailurePolicy"]
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_pod_failure_policy_retries_stops_and_counts(project, multi_node, nodes):
+    """75, 74 (a node lost) and a disruption are retried for free; 79 fails the Job (never
+    retried); 73, 2 (a lease not yet stale refuses too) and crashes count against
+    backoffLimit, or with several nodes against the pod's index."""
+    policy = kubernetes_docs(multi_node if nodes == 2 else project)["Job"]["spec"][
+        "podFailurePolicy"]
     assert pod_failure_action(policy, 75) == "Ignore"
+    assert pod_failure_action(policy, 74) == "Ignore"
     assert pod_failure_action(policy, 137, disrupted=True) == "Ignore"
     assert pod_failure_action(policy, 79) == "FailJob"
     assert pod_failure_action(policy, 79, disrupted=True) == "FailJob"
@@ -137,7 +224,7 @@ def test_pod_failure_policy_retries_stops_and_counts(project):
 def test_skypilot_recovers_only_what_a_retry_can_fix(project):
     recovery = yaml.safe_load((project / "launch/skypilot.yaml").read_text())["resources"][
         "job_recovery"]
-    assert recovery["recover_on_exit_codes"] == [75, 73]
+    assert recovery["recover_on_exit_codes"] == [75, 73, 74]
     assert recovery["max_restarts_on_errors"] == 0   # so 79 ends the managed job
 
 
@@ -166,23 +253,28 @@ SKY_CHECK = """
 import json, sys, yaml
 import sky
 from sky.utils import common_utils, schemas
-config = yaml.safe_load(open(sys.argv[1]))
-common_utils.validate_schema(config, schemas.get_task_schema(), "Invalid task YAML: ")
-task = sky.Task.from_yaml_config(config)
-(resources,) = task.resources
-print(json.dumps({"accelerators": resources.accelerators, "use_spot": resources.use_spot,
-                  "num_nodes": task.num_nodes}))
+parsed = []
+for path in sys.argv[1:]:
+    config = yaml.safe_load(open(path))
+    common_utils.validate_schema(config, schemas.get_task_schema(), "Invalid task YAML: ")
+    task = sky.Task.from_yaml_config(config)
+    (resources,) = task.resources
+    parsed.append({"accelerators": resources.accelerators, "use_spot": resources.use_spot,
+                   "num_nodes": task.num_nodes})
+print(json.dumps(parsed))
 """
 
 
-def test_skypilot_task_is_valid_for_skypilot(project, tmp_path):
-    # In a child with its own HOME: importing sky writes ~/.sky.
-    proc = subprocess.run([sys.executable, "-c", SKY_CHECK, str(project / "launch/skypilot.yaml")],
+def test_skypilot_task_is_valid_for_skypilot(project, multi_node, tmp_path):
+    # In one child (importing sky is slow) with its own HOME: importing sky writes ~/.sky.
+    proc = subprocess.run([sys.executable, "-c", SKY_CHECK, str(project / "launch/skypilot.yaml"),
+                           str(multi_node / "launch/skypilot.yaml")],
                           env=dict(os.environ, HOME=str(tmp_path)), capture_output=True,
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     parsed = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert parsed == {"accelerators": {"A100": 4}, "use_spot": True, "num_nodes": 1}
+    assert parsed == [{"accelerators": {"A100": 4}, "use_spot": True, "num_nodes": nodes}
+                      for nodes in (1, 2)]
 
 
 # ------------------------------------------------------------------ Slurm ----
@@ -226,12 +318,14 @@ echo "scontrol $*" >> "$FAKE_SLURM_LOG"
 if [ "$1 $2" = "show hostnames" ]; then echo localhost; fi
 if [ "$1 $2" = "show job" ]; then echo "JobId=$3 JobState=RUNNING Reason=None Restarts=0"; fi
 """
-# Stands in for `python -m <pkg>.resume ...`: ready, then exits 75 on USR1 as a preempted
-# run does.
+# Stands in for `python -m <pkg>.resume ...`: ready, then exits on USR1 as a preempted
+# run does (75), or FAKE_STUB_STATUS (74: as when a node of the job was lost meanwhile).
 STUB = """#!{python}
 import os, signal, sys
 signal.signal(signal.SIGUSR1, lambda *_: (open(os.environ["FAKE_STUB_LOG"], "a")
-                                          .write("USR1\\n"), sys.exit(75)))
+                                          .write("USR1\\n"),
+                                          sys.exit(int(os.environ.get("FAKE_STUB_STATUS",
+                                                                      "75")))))
 open(os.environ["FAKE_STUB_LOG"], "a").write(" ".join(sys.argv[1:]) + "\\n")
 open(os.environ["FAKE_STUB_READY"], "w").close()
 signal.pause()
@@ -298,14 +392,17 @@ def test_slurm_script_runs_training_under_fake_slurm(project, tmp_path):
     assert (ckpt / "step_000000002" / "commit.json").is_file()
 
 
-def test_slurm_script_forwards_usr1_and_requeues_on_75(project, tmp_path):
-    """Slurm's USR1 to the batch shell reaches the job step; exit 75 requeues the job."""
+@pytest.mark.parametrize(("status", "why"), [(75, "preempted with the state saved"),
+                                             (74, "a node of the job was lost (exit 74)")])
+def test_slurm_script_forwards_usr1_and_requeues_on_75(project, tmp_path, status, why):
+    """Slurm's USR1 to the batch shell reaches the job step; exit 75 (or 74: a node lost)
+    requeues the job."""
     bin_dir, log = tmp_path / "bin", tmp_path / "slurm.log"
     fake_slurm(bin_dir)
     stub_log, ready = tmp_path / "stub.log", tmp_path / "ready"
     env = slurm_env(project, bin_dir, log, FAKE_SRUN_STUB=str(bin_dir / "resume-stub"),
                     FAKE_STUB_LOG=str(stub_log), FAKE_STUB_READY=str(ready),
-                    FAKE_JOB_ID="777")
+                    FAKE_JOB_ID="777", FAKE_STUB_STATUS=str(status))
     batch = subprocess.Popen(["sbatch", "launch/slurm.sbatch", "train.max_steps=9"],
                              cwd=project, env=env)
     deadline = time.monotonic() + 60
@@ -318,4 +415,6 @@ def test_slurm_script_forwards_usr1_and_requeues_on_75(project, tmp_path):
     assert stub_calls[0].startswith("python -m spot_trainer.resume --nproc-per-node 4 --nnodes 1")
     assert stub_calls[0].endswith("train.max_steps=9") and stub_calls[1] == "USR1"
     assert "scontrol requeue 777" in log.read_text().splitlines()
-    assert "requeueing job 777" in (project / "slurm-777.out").read_text()
+    output = project / "slurm-777.out"
+    assert f"{why}: requeueing job 777" in output.read_text()
+    output.unlink()   # the module's project is shared: the next case starts a new file

@@ -49,6 +49,7 @@ BAD = [
     ("badput_target_percent", "five"),
     ("gpus_per_node", -1), ("gpus_per_node", 1.5), ("gpus_per_node", 65),
     ("cpus_per_node", 0), ("cpus_per_node", 2.5),
+    ("nodes", 0), ("nodes", -1), ("nodes", 1.5), ("nodes", "x"), ("nodes", 1025),
     ("image", "My Image"), ("image", "trainer-:latest"), ("checkpoint_size_gb", 0),
     ("async_mode", "fast"), ("cloud", "ibm"), ("parallelism", "tp"),
     ("launchers", ["pbs"]), ("docs_language", "fr"),
@@ -66,6 +67,7 @@ RANGES = {
     "keep_last": "a whole number >= 1", "grace_period_seconds": "a finite number > 0",
     "gpus_per_node": "a whole number between 0 and 64, inclusive",
     "cpus_per_node": "a whole number between 1 and 4096, inclusive",
+    "nodes": "a whole number between 1 and 1024, inclusive",
     "checkpoint_size_gb": "a finite number > 0",
 }
 
@@ -128,6 +130,29 @@ def test_numeric_answers_reach_the_config_as_numbers(tmp_path):
     assert config["plan"]["step_time_s"] == 3.0 and config["preemption"]["grace_period_s"] == 30.0
     answers = yaml.safe_load((project / ".copier-answers.yml").read_text())
     assert float(answers["mtbi_hours"]) == 10.0 and int(answers["gpus_per_node"]) == 8
+
+
+def test_node_count_leaves_room_for_the_pod_index():
+    """A Kubernetes Job's pods are <job>-<index>, a DNS label of at most 63 characters:
+    a 61-character name leaves room for indexes 0-9 (10 nodes), not for index 10."""
+    template = copier_env().from_string(QUESTIONS["nodes"]["validator"])
+
+    def check(nodes, name, launchers=("kubernetes",)):
+        return template.render(nodes=nodes, project_name=name, launchers=list(launchers)).strip()
+
+    assert check("10", "r" * 61) == ""
+    message = check("11", "r" * 61)
+    assert message.startswith("nodes: the Kubernetes Job") and "at most 60 characters" in message
+    assert check("2", "r" * 62).endswith("at most 61 characters")
+    assert check("2", "r" * 63).endswith("at most 61 characters")
+    assert check("1", "r" * 63) == ""                             # one node: a plain Job
+    assert check("2", "r" * 63, launchers=("slurm",)) == ""       # no Kubernetes Job
+    assert "between 1 and 1024" in check("0", "x")
+
+
+def test_mtbi_is_per_node():
+    assert "ONE node" in QUESTIONS["mtbi_hours"]["help"]
+    assert "mtbi_hours / nodes" in QUESTIONS["nodes"]["help"]
 
 
 def test_docs_language_help_says_what_is_translated():

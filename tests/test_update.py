@@ -91,6 +91,7 @@ NON_DEFAULT_ANSWERS = {
     "grace_period_seconds": 90.0,
     "cloud": "gcp",
     "launchers": ["slurm", "kubernetes"],  # in the order of the choices, as copier stores them
+    "nodes": 2,
     "gpus_per_node": 4,
     "cpus_per_node": 16,
     "image": "ghcr.io/lab/spot:v1",

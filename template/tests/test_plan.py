@@ -178,6 +178,36 @@ def test_daly_matches_the_paper_example(model):
     assert model.young_interval(300, 24 * 3600) == pytest.approx(7200)
 
 
+def test_job_on_n_nodes_plans_with_the_nodes_mtbi_divided_by_n(model):
+    """mtbi_hours is one node's: 4 nodes of 32 h each are a job interrupted every 8 h."""
+    one = model.make_plan(model.Inputs(*DEFAULTS))
+    four = model.make_plan(model.Inputs(32.0, *DEFAULTS[1:], nodes=4))
+    assert four.inputs.mtbi_seconds == one.inputs.mtbi_seconds == 8 * 3600
+    assert four.inputs.job_mtbi_hours == 8.0
+    assert (four.interval_steps, four.expected_badput) == (one.interval_steps, one.expected_badput)
+    # More nodes at the same per-node MTBI: interrupted more often, saving more often.
+    assert model.make_plan(model.Inputs(*DEFAULTS, nodes=4)).interval_steps < one.interval_steps
+
+
+def test_nodes_from_the_flag_and_the_config(run_plan, tmp_path):
+    _, out, _ = run_plan(*flags((32.0, *DEFAULTS[1:])), "--nodes", "4", "--json")
+    _, expected, _ = run_plan(*flags(), "--json")
+    got = json.loads(out)
+    assert got["inputs"]["nodes"] == 4 and got["inputs"]["job_mtbi_hours"] == 8.0
+    assert got["interval_steps"] == json.loads(expected)["interval_steps"]
+    _, text, _ = run_plan(*flags((32.0, *DEFAULTS[1:])), "--nodes", "4")
+    assert "M = 8 h (28800 s), one node's 32 h / 4 nodes" in text
+    config = tmp_path / "train.yaml"
+    config.write_text(PLAN_SECTION + "  nodes: 4\n")
+    _, out, _ = run_plan("--config", str(config), "--json")
+    assert json.loads(out)["inputs"]["nodes"] == 4
+    assert json.loads(out)["inputs"]["mtbi_seconds"] == 2 * 3600
+    code, _, err = run_plan(*flags(), "--nodes", "0")
+    assert code == 2 and "argument --nodes: must be a whole number >= 1" in err
+    code, _, err = run_plan("--config", str(config), "plan.nodes=0")
+    assert code == 2 and "plan.nodes must be a whole number >= 1" in err
+
+
 def test_save_longer_than_twice_mtbi_uses_mtbi(model):
     assert model.daly_interval(delta=8000, mtbi=3600) == 3600
 

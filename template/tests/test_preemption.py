@@ -372,6 +372,7 @@ def test_cloud_notice_stops_training_without_a_signal(run_dirs, tmp_path, metada
     assert metadata_service.refused == []
 
 
+@pytest.mark.slow   # kept out of the quick tier for its time; `make test` runs it
 def test_unreachable_metadata_service_does_not_disturb_training(run_dirs, tmp_path,
                                                                closed_port_url):
     log_file = tmp_path / "job.log"

@@ -109,7 +109,7 @@ def test_torchrun_command_restarts_in_place_with_a_fresh_store_per_attempt():
     ("recovery.max_restarts=-1", "recovery.max_restarts must be >= 0"),
     ("recovery.step_timeout_s=-5", "recovery.step_timeout_s must be a finite number"),
     ("recovery.straggler_ratio=1", "recovery.straggler_ratio must be a finite number > 1"),
-    ("preemption.exit_code=79", "preemption.exit_code must be in 3..127 and not 73, 79"),
+    ("preemption.exit_code=74", "preemption.exit_code must be in 3..127 and not 73, 74, 79"),
     ("plan.crash_share=1.5", "plan.crash_share must be a number between 0 and 1"),
 ])
 def test_bad_recovery_settings_are_refused(override, message):
@@ -244,6 +244,7 @@ def test_resume_passes_the_do_not_retry_status_through(tmp_path):
 
 
 # --------------------------------------------------------------- the jobs --
+@pytest.mark.slow   # kept out of the quick tier for its time; `make test` runs it
 def test_a_status_training_decides_is_not_restarted_in_place(tmp_path):
     """The guard refuses at the first start: the job must end there with 79, not be
     started three more times by torchrun (which restarts on any non-zero exit)."""

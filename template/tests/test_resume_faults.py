@@ -7,6 +7,8 @@ what differs, exit status 2, no traceback.
 
 from pathlib import Path
 
+import pytest
+
 from conftest import overrides_for, read_events, run_module
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "log.every_steps=2",
@@ -65,6 +67,7 @@ def test_resume_dry_run_shows_a_checkpoint_of_another_model(run_dirs):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow   # kept out of the quick tier for its time; `make test` runs it
 def test_a_changed_max_steps_on_resume_is_announced_with_both_learning_rates(run_dirs):
     run(run_dirs, "train.max_steps=30", "checkpoint.interval_steps=30", "train.warmup_steps=2")
     proc = run(run_dirs, "train.max_steps=40", "checkpoint.interval_steps=30",

@@ -6,8 +6,11 @@ Rank 0 takes the lease before anything is built and renews it from a thread ever
 quarter of ``checkpoint.lease_stale_s``. A second job finds a live lease and waits up to
 ``checkpoint.lease_wait_s`` for it to be released (a restarted job meeting the previous
 one still draining its last save), then refuses with the owner named. A lease without
-a heartbeat for ``lease_stale_s``, or held by a process of this host that no longer
-exists (a crash, an in-place restart), is taken over with a notice. A job that finds
+a heartbeat for ``lease_stale_s``, held by a process of this host that no longer
+exists (a crash, an in-place restart), or held by an earlier run of this same job (the
+scheduler's job id: a Slurm job requeued, a Kubernetes Job's pod replaced after its
+node was lost, a SkyPilot job recovered; a scheduler starts a job's next run only once
+the previous one has ended) is taken over with a notice. A job that finds
 its lease taken over stops committing checkpoints (the save fails, with the reason).
 
 On a filesystem the lease is written through a temporary file and renamed; object
@@ -31,7 +34,10 @@ from .storage import Storage
 log = logging.getLogger(__name__)
 
 LEASE_FILE = "lease.json"
-JOB_ID_VARIABLES = ("SLURM_JOB_ID", "SKYPILOT_TASK_ID", "JOB_ID", "TORCHELASTIC_RUN_ID")
+# The job's id as its scheduler names it, the same on every node and on every run of the
+# job (TORCHELASTIC_RUN_ID is resume's --rdzv-id); the first one set counts.
+SCHEDULER_JOB_ID_VARIABLES = ("SLURM_JOB_ID", "SKYPILOT_TASK_ID", "JOB_ID")
+JOB_ID_VARIABLES = (*SCHEDULER_JOB_ID_VARIABLES, "TORCHELASTIC_RUN_ID")
 POLL_S = 1.0
 
 
@@ -58,6 +64,12 @@ def this_job_id() -> str:
         if value and value != "none":
             return value
     return f"{socket.gethostname()}:{os.getppid()}"
+
+
+def scheduler_job_id() -> str | None:
+    """The scheduler's id of this job, or None outside a scheduler."""
+    return next((os.environ[name] for name in SCHEDULER_JOB_ID_VARIABLES
+                 if os.environ.get(name, "") not in ("", "none")), None)
 
 
 def _alive(pid: int) -> bool:
@@ -103,6 +115,9 @@ class Lease:
             return f"no heartbeat for {now - owner.heartbeat:.0f} s"
         if owner.host == self.me.host and not _alive(owner.pid):
             return f"process {owner.pid} on this host has ended"
+        job = scheduler_job_id()
+        if job is not None and owner.job_id == job:
+            return f"an earlier run of this job ({job}), which has ended"
         return None
 
     # -------------------------------------------------------------- holding --
@@ -173,6 +188,17 @@ class Lease:
                     log.error("the lease on %s was not renewed for %g s (checkpoint."
                               "lease_stale_s): no checkpoint of this job will commit there "
                               "any more", self.storage, self.stale_s)
+
+    def release_for_ended_job(self, job_id: str) -> str | None:
+        """Remove a lease that ``job_id`` holds: the caller knows that job has ended on
+        every node (a node of it was lost and the others stopped). A holder still
+        running after all (a network partition, not a loss) writes its lease again at
+        its next heartbeat. Returns the holder in words, or None when nothing was done."""
+        owner = self.owner()
+        if owner is None or owner.job_id != job_id:
+            return None
+        self.storage.remove_file(LEASE_FILE)
+        return owner.describe(time.time())
 
     def release(self) -> None:
         """Stop renewing and remove the lease if it is still this job's."""

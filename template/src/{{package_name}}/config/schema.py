@@ -186,13 +186,14 @@ class PreemptionConfig:
                  "preemption.grace_period_s", "must be a finite number of seconds in (0, 86400]",
                  self.grace_period_s)
         require(3 <= self.exit_code <= 127
-                 and self.exit_code not in (exit_codes.NOT_SAVED, exit_codes.NO_PROGRESS,
-                                            exit_codes.HUNG),
+                 and self.exit_code not in (exit_codes.NOT_SAVED, exit_codes.NODE_LOST,
+                                            exit_codes.NO_PROGRESS, exit_codes.HUNG),
                  "preemption.exit_code",
-                 f"must be in 3..127 and not {exit_codes.NOT_SAVED}, {exit_codes.NO_PROGRESS} "
-                 f"or {exit_codes.HUNG} (0 finished, 1 crashed, 2 bad configuration, "
-                 f"{exit_codes.NOT_SAVED} last state not saved, {exit_codes.NO_PROGRESS} no "
-                 f"progress, {exit_codes.HUNG} a hung worker, 128+ killed by a signal)",
+                 f"must be in 3..127 and not {exit_codes.NOT_SAVED}, {exit_codes.NODE_LOST}, "
+                 f"{exit_codes.NO_PROGRESS} or {exit_codes.HUNG} (0 finished, 1 crashed, 2 bad "
+                 f"configuration, {exit_codes.NOT_SAVED} last state not saved, "
+                 f"{exit_codes.NODE_LOST} a node lost, {exit_codes.NO_PROGRESS} no progress, "
+                 f"{exit_codes.HUNG} a hung worker, 128+ killed by a signal)",
                  self.exit_code)
         require(self.poll_interval_s > 0, "preemption.poll_interval_s", "must be > 0",
                  self.poll_interval_s)
@@ -213,6 +214,7 @@ class RecoveryConfig:
     max_attempts_without_progress: int = 3   # starts in a row without a new checkpoint; 0 = no limit
     straggler_every_steps: int = 50   # how often ranks compare their step times; 0 = never
     straggler_ratio: float = 1.5      # slower than the median of ranks by this factor: a straggler
+    rendezvous_timeout_s: float = 120.0   # several nodes: how long they wait for each other
 
     def __post_init__(self) -> None:
         for key in ("max_restarts", "max_attempts_without_progress", "straggler_every_steps"):
@@ -221,7 +223,7 @@ class RecoveryConfig:
         require(math.isfinite(self.step_timeout_s) and self.step_timeout_s >= 0,
                  "recovery.step_timeout_s", "must be a finite number of seconds >= 0 "
                  "(0 = automatic)", self.step_timeout_s)
-        for key in ("first_step_timeout_s", "collective_timeout_s"):
+        for key in ("first_step_timeout_s", "collective_timeout_s", "rendezvous_timeout_s"):
             value = getattr(self, key)
             require(math.isfinite(value) and value > 0, f"recovery.{key}",
                      "must be a finite number of seconds > 0", value)
@@ -302,8 +304,10 @@ class PlanConfig:
     restart_s: float = 120.0
     badput_target_percent: float = 5.0
     crash_share: float = CRASH_SHARE   # assumed share of interruptions that are crashes
+    nodes: int = 1   # mtbi_hours is one node's: the plan uses mtbi_hours / nodes for the job
 
     def __post_init__(self) -> None:
+        require(self.nodes >= 1, "plan.nodes", "must be a whole number >= 1 (nodes)", self.nodes)
         require(math.isfinite(self.crash_share) and 0 <= self.crash_share <= 1,
                  "plan.crash_share", "must be a number between 0 and 1", self.crash_share)
         # NaN and ±inf are refused too (NaN fails every comparison; inf is not finite).

@@ -41,9 +41,12 @@ FLAGS = {
     "restart_seconds": ("--restart-seconds", "restart_s"),
     "badput_target_percent": ("--badput-target-percent", "badput_target_percent"),
     "crash_share": ("--crash-share", "crash_share"),
+    "nodes": ("--nodes", "nodes"),
 }
-# Without a flag or a config, an assumption: half of the interruptions are crashes.
-ASSUMED = {"crash_share": Inputs.__dataclass_fields__["crash_share"].default}
+# Without a flag or a config: an assumption (half of the interruptions are crashes) and
+# the default node count (one node, so the job's MTBI is the node's).
+ASSUMED = {"crash_share": Inputs.__dataclass_fields__["crash_share"].default,
+           "nodes": Inputs.__dataclass_fields__["nodes"].default}
 
 MEASURED_FIELDS = ("step_seconds", "blocking_seconds", "commit_latency_seconds")
 
@@ -59,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     num = {"type": float, "default": None}
     parser.add_argument("--mtbi-hours", metavar="H", **num,
-                        help="mean time between interruptions, hours")
+                        help="mean time between interruptions of one node, hours")
+    parser.add_argument("--nodes", metavar="N", type=int, default=None,
+                        help="nodes the job runs on (default 1): the job's MTBI is the "
+                             "node's divided by N, since any node's loss interrupts the job")
     parser.add_argument("--step-seconds", metavar="T", **num, help="time of one optimizer step")
     parser.add_argument("--blocking-seconds", metavar="D", **num,
                         help="time one save blocks training (δ)")
@@ -193,7 +199,8 @@ def resolve_inputs(args, config: Config | None, config_path: str, measured, pars
         elif config is not None:
             values[field], origins[field] = getattr(config.plan, key), f"plan.{key} in {config_path}"
         elif field in ASSUMED:
-            values[field], origins[field] = ASSUMED[field], "an assumption"
+            values[field] = ASSUMED[field]
+            origins[field] = "an assumption" if field == "crash_share" else "the default"
         else:
             parser.error(f"missing {flag} (no {DEFAULT_CONFIG} here; pass the flag or "
                          "--config PATH)")

@@ -1,11 +1,16 @@
 """The checkpoint interval plan: the model, the one source of its formulas.
 
-    M   mean time between interruptions (s)     T   time of one optimizer step (s)
-    δ   time one save blocks training (s)       R   restart time: rescheduled by the scheduler, until training runs again (s)
+    M   mean time between interruptions of the job (s): one node's MTBI / nodes, below
+    T   time of one optimizer step (s)          δ   time one save blocks training (s)
+    R   restart time: rescheduled by the scheduler, until training runs again (s)
     L   commit latency, from save start until the checkpoint is committed (s), L >= δ
     target   accepted badput (fraction of machine time)
     R_in     in-place restart time: torchrun restarts the workers after a crash (s)
     c        crash share: the share of interruptions that are crashes, not preemptions
+
+M is the job's: the answer (``mtbi_hours``) is one node's MTBI, and a job on n nodes is
+interrupted whenever any of them is. With independent interruptions the job's MTBI is
+the per-node MTBI / n (``Inputs.mtbi_seconds``), and every formula below uses that.
 
 Expected badput when training runs τ seconds between saves:
 
@@ -69,10 +74,16 @@ class Inputs:
     restart_seconds: float
     badput_target_percent: float
     crash_share: float = CRASH_SHARE
+    nodes: int = 1   # mtbi_hours is one node's; the job's MTBI is mtbi_hours / nodes
 
     @property
     def mtbi_seconds(self) -> float:
-        return self.mtbi_hours * 3600.0
+        """M: the job's MTBI in seconds, the per-node MTBI divided by the node count."""
+        return self.mtbi_hours * 3600.0 / self.nodes
+
+    @property
+    def job_mtbi_hours(self) -> float:
+        return self.mtbi_hours / self.nodes
 
     @property
     def target(self) -> float:
@@ -86,6 +97,8 @@ class Inputs:
                 raise PlanInputError(field.name, f"must be a number (got {value!r})")
             if not math.isfinite(value):
                 raise PlanInputError(field.name, f"must be a finite number (got {value})")
+        if not isinstance(self.nodes, int) or self.nodes < 1:
+            raise PlanInputError("nodes", f"must be a whole number >= 1 (got {self.nodes!r})")
         for name in ("mtbi_hours", "step_seconds"):
             if getattr(self, name) <= 0:
                 raise PlanInputError(name, f"must be > 0 (got {getattr(self, name):g})")

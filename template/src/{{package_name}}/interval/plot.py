@@ -62,7 +62,8 @@ def plot_badput(plan: Plan, path: str | os.PathLike) -> None:
     ax.set_ylim(0, min(100.0, top))
     ax.set_xlabel(f"checkpoint interval N (steps of {i.step_seconds:g} s)")
     ax.set_ylabel("badput (% of machine time)")
-    ax.set_title(f"M = {i.mtbi_hours:g} h, T = {i.step_seconds:g} s, "
+    nodes = "" if i.nodes == 1 else f" ({i.mtbi_hours:g} h / {i.nodes} nodes)"
+    ax.set_title(f"M = {i.job_mtbi_hours:g} h{nodes}, T = {i.step_seconds:g} s, "
                  f"δ = {i.blocking_seconds:g} s, L = {i.commit_latency_seconds:g} s, "
                  f"R = {i.restart_seconds:g} s, target {i.badput_target_percent:g} %")
     ax.grid(True, which="both", alpha=0.3)

@@ -60,7 +60,7 @@ def format_plan(plan: Plan) -> str:
     lines = [
         "Checkpoint plan",
         (
-            f"  inputs: M = {i.mtbi_hours:g} h ({i.mtbi_seconds:g} s), T = {i.step_seconds:g} s, "
+            f"  inputs: M = {mtbi_text(i)}, T = {i.step_seconds:g} s, "
             f"δ = {i.blocking_seconds:g} s, L = {i.commit_latency_seconds:g} s, "
             f"R = {i.restart_seconds:g} s, target = {i.badput_target_percent:g} %"
         ),
@@ -97,6 +97,15 @@ def format_plan(plan: Plan) -> str:
 
 
 
+def mtbi_text(i: Inputs, lang: str = "en") -> str:
+    """The job's MTBI and where it comes from: one node's MTBI and the node count."""
+    text = TEXT[lang]
+    job = text["mtbi"].format(hours=i.job_mtbi_hours, seconds=i.mtbi_seconds)
+    if i.nodes == 1:
+        return job
+    return job + text["mtbi_nodes"].format(node=i.mtbi_hours, nodes=i.nodes)
+
+
 def in_place_line(plan: Plan, lang: str = "en") -> str:
     """In-place restarts (R_in) next to a reschedule (R), and the badput they save."""
     i, text = plan.inputs, TEXT[lang]
@@ -104,7 +113,7 @@ def in_place_line(plan: Plan, lang: str = "en") -> str:
         return text["in_place_none"].format(r=i.restart_seconds, c=i.crash_share)
     return text["in_place"].format(
         rin=plan.in_place_restart_seconds, r=i.restart_seconds, c=i.crash_share,
-        mtbi=i.mtbi_hours, s=100 * plan.in_place_saving, b=100 * plan.expected_badput,
+        mtbi=i.job_mtbi_hours, s=100 * plan.in_place_saving, b=100 * plan.expected_badput,
         bin=100 * plan.expected_badput_with_in_place)
 
 
@@ -142,8 +151,10 @@ def to_json(plan: Plan) -> dict:
             None if plan.expected_badput_with_in_place is None
             else 100 * plan.expected_badput_with_in_place),
         "inputs": {
-            "mtbi_hours": i.mtbi_hours,
-            "mtbi_seconds": i.mtbi_seconds,
+            "mtbi_hours": i.mtbi_hours,          # one node's
+            "nodes": i.nodes,
+            "job_mtbi_hours": i.job_mtbi_hours,  # M, what the formulas use
+            "mtbi_seconds": i.mtbi_seconds,      # M in seconds
             "step_seconds": i.step_seconds,
             "blocking_seconds": i.blocking_seconds,
             "commit_latency_seconds": i.commit_latency_seconds,
@@ -175,7 +186,9 @@ TEXT = {
                   "L is taken equal to δ.",
         "skipped": "Skipped {n} unreadable line(s).",
         "with": "With the measured numbers "
-                "(M = {mtbi:g} h, R = {restart:g} s, target = {target:g} %):",
+                "(M = {mtbi}, R = {restart:g} s, target = {target:g} %):",
+        "mtbi": "{hours:g} h ({seconds:g} s)",
+        "mtbi_nodes": ", one node's {node:g} h / {nodes} nodes",
         "recommended": "- Recommended interval: **{n} steps** = {s:.1f} s ({m:.1f} min); expected "
                        "badput **{b:.2f} %** (saving {sv:.2f} %, rework {rw:.2f} %, commit "
                        "latency {cl:.2f} %, restart {rs:.2f} %).",
@@ -227,7 +240,9 @@ TEXT = {
         "raised": "提交延迟的中位数小于阻塞时间的中位数，按 L = δ 处理。",
         "skipped": "跳过了 {n} 行无法解析的记录。",
         "with": "按实测数据重新计算"
-                "（M = {mtbi:g} 小时，R = {restart:g} 秒，目标 = {target:g} %）：",
+                "（M = {mtbi}，R = {restart:g} 秒，目标 = {target:g} %）：",
+        "mtbi": "{hours:g} 小时（{seconds:g} 秒）",
+        "mtbi_nodes": "，即单节点的 {node:g} 小时 / {nodes} 个节点",
         "recommended": "- 建议间隔：**{n} 步** = {s:.1f} 秒（{m:.1f} 分钟）；预期 badput "
                        "**{b:.2f} %**（保存阻塞 {sv:.2f} %，回退重算 {rw:.2f} %，提交延迟 "
                        "{cl:.2f} %，重启 {rs:.2f} %）。",
@@ -299,7 +314,7 @@ def render_measured_section(
         lines += ["", " ".join(notes)]
     lines += [
         "",
-        text["with"].format(mtbi=i.mtbi_hours, restart=i.restart_seconds,
+        text["with"].format(mtbi=mtbi_text(i, lang), restart=i.restart_seconds,
                             target=i.badput_target_percent),
         "",
         text["recommended"].format(

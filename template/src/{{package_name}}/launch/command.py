@@ -22,6 +22,7 @@ from ..config import PreemptionConfig
 TORCHRUN_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 SHUTDOWN_MARGIN_S = 30
 UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+DEFAULT_RDZV_ID = "resumable"   # several nodes without --rdzv-id (torchrun's run id)
 
 
 def positive_int(value: str) -> int:
@@ -33,6 +34,20 @@ def positive_int(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer (got {value!r})")
     return number
+
+
+def rdzv_conf(value: str) -> dict[str, str]:
+    """argparse type for ``--rdzv-conf KEY=VALUE[,KEY=VALUE]`` (torchrun's own format)."""
+    conf = {}
+    for item in filter(None, value.split(",")):
+        key, sep, setting = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE[,KEY=VALUE] (got {value!r})")
+        if key.strip() == "join_timeout":
+            raise argparse.ArgumentTypeError(
+                "join_timeout is recovery.rendezvous_timeout_s: set that key instead")
+        conf[key.strip()] = setting.strip()
+    return conf
 
 
 def signals_to_handle(preemption: PreemptionConfig) -> str:
@@ -49,12 +64,19 @@ def shutdown_timeout_s(preemption: PreemptionConfig) -> int:
 def torchrun_command(module: str, args: list[str], preemption: PreemptionConfig, *,
                      nproc_per_node: int | str, max_restarts: int, nnodes: str = "1",
                      rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
+                     rendezvous_timeout_s: float | None = None,
+                     rdzv_conf: dict[str, str] | None = None,
                      python: str = sys.executable) -> list[str]:
     """``python -m torch.distributed.run ... -m <package>.<module> args``.
 
     One node runs standalone (a free local port); several nodes meet at
     ``rdzv_endpoint`` through the c10d rendezvous. ``max_restarts`` is
     ``recovery.max_restarts``: how often torchrun restarts all workers in place.
+    ``rendezvous_timeout_s`` (``recovery.rendezvous_timeout_s``) bounds every meeting of
+    the nodes, the first and each one after a failure (torchrun's ``join_timeout``,
+    otherwise 600 s): after a node is lost, the others wait that long for it (or its
+    replacement) and then give up; ``rdzv_conf`` adds torchrun's other rendezvous
+    settings (e.g. ``is_host``).
     """
     if max_restarts < 0:
         raise ValueError(f"recovery.max_restarts must be >= 0 (got {max_restarts})")
@@ -74,5 +96,10 @@ def torchrun_command(module: str, args: list[str], preemption: PreemptionConfig,
         if rdzv_endpoint is None:
             raise ValueError("several nodes need a rendezvous endpoint (--rdzv-endpoint HOST:PORT)")
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
-                f"--rdzv-id={rdzv_id or 'resumable'}"]
+                f"--rdzv-id={rdzv_id or DEFAULT_RDZV_ID}"]
+        conf = dict(rdzv_conf or {})
+        if rendezvous_timeout_s is not None:
+            conf["join_timeout"] = str(math.ceil(rendezvous_timeout_s))
+        if conf:
+            cmd.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()))
     return [*cmd, "-m", f"{PACKAGE}.{module}", *args]

@@ -2,7 +2,8 @@
 
     python -m <package>.resume [--nproc-per-node M|auto] [--nnodes N]
                                [--rdzv-endpoint HOST:PORT] [--rdzv-id ID]
-                               [--config PATH] [--dry-run] [key=value ...]
+                               [--rdzv-conf KEY=VALUE,...] [--config PATH]
+                               [--dry-run] [key=value ...]
 
 It finds the newest checkpoint that committed completely (damaged ones are skipped with
 a warning), prints what changes (world size, gradient accumulation) and what does not
@@ -16,8 +17,9 @@ whatever the number of GPUs the new allocation has.
 Exit status: 0 training finished; ``preemption.exit_code`` (75 by default) training was
 preempted and can be resumed: run this script again; 2 bad configuration or a world
 size that cannot keep the global batch (nothing was started); 73 the last state is not
-saved; 79 starts keep failing without progress: do NOT run it again before the cause is
-fixed (docs/RECOVERY.md); 130 stopped by the user; otherwise torchrun's status (1:
+saved; 74 several nodes, and one of them was lost (the others stopped; run again);
+79 starts keep failing without progress: do NOT run it again before the cause is fixed
+(docs/RECOVERY.md); 130 stopped by the user; otherwise torchrun's status (1:
 workers crashed more often than ``recovery.max_restarts`` in-place restarts allow;
 128+N: torchrun was killed by signal N).
 """
@@ -37,15 +39,16 @@ from pathlib import Path
 
 from .. import PACKAGE
 from ..checkpoint import Committed, compat, newest_complete_checkpoint, open_storage
-from ..checkpoint.lease import Lease, LeaseHeld
+from ..checkpoint.lease import Lease, LeaseHeld, scheduler_job_id
 from ..checkpoint.outage import command_failure, with_retries
 from ..checkpoint.storage import Storage
-from ..config import Config, ConfigError, PreemptionConfig, VerifyMode, load_config
+from ..config import Config, ConfigError, PreemptionConfig, RecoveryConfig, VerifyMode, load_config
 from ..loop.sampling import BatchSizeError, split_global_batch
 from ..loop.task_contract import check_config, load_task
+from ..recovery.attempts import describe, read_records
 from ..runtime import exit_codes
 from ..runtime.metrics import Event, read_events
-from .command import positive_int, torchrun_command
+from .command import DEFAULT_RDZV_ID, positive_int, rdzv_conf, torchrun_command
 
 # Forwarded to torchrun even when preemption.signals does not list them: Ctrl-C and the
 # signals schedulers use to announce the end of an allocation.
@@ -160,8 +163,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "GPUs: the global batch, learning-rate step and data order carry over, "
                     "gradient accumulation is recomputed.",
         epilog="Exit status: 0 finished; preemption.exit_code (75) preempted, run again; "
-               "2 refused (bad config or world size); 73 last state not saved; 79 no "
-               "progress, do not retry; 130 interrupted; else torchrun's status.",
+               "2 refused (bad config or world size); 73 last state not saved; 74 a node "
+               "lost, run again; 79 no progress, do not retry; 130 interrupted; else "
+               "torchrun's status.",
     )
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=nproc_per_node,
                         default="auto", metavar="M|auto",
@@ -172,6 +176,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         metavar="HOST:PORT", help="rendezvous address shared by all nodes")
     parser.add_argument("--rdzv-id", "--rdzv_id", default=None, metavar="ID",
                         help="rendezvous id, the same on all nodes of one job")
+    parser.add_argument("--rdzv-conf", "--rdzv_conf", type=rdzv_conf, default={},
+                        metavar="KEY=VALUE,...", help="torchrun's other rendezvous settings, "
+                        "e.g. is_host=1 on the node that hosts the rendezvous store; the "
+                        "wait for the nodes is recovery.rendezvous_timeout_s")
     parser.add_argument("--config", default=None, help="YAML config (default configs/train.yaml)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print where training would resume as one JSON line on stdout and exit")
@@ -197,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         command = torchrun_command("train", train_args, cfg.preemption, nproc_per_node=nproc,
                                    max_restarts=cfg.recovery.max_restarts,
                                    nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint,
-                                   rdzv_id=args.rdzv_id)
+                                   rdzv_id=args.rdzv_id, rdzv_conf=args.rdzv_conf,
+                                   rendezvous_timeout_s=cfg.recovery.rendezvous_timeout_s)
         # What training will resume from. Its checksums are checked once, by training
         # (rank 0, before loading): here the sizes and the commit record are enough,
         # and a cloud store's bytes are not read an extra time.
@@ -234,13 +243,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(point.to_json(), flush=True)
         return 0
-    return supervise(command, storage, checkpoint, cfg.preemption, Path(cfg.log.dir))
+    # The job id training's lease carries: the scheduler's, else torchrun's run id.
+    job_id = scheduler_job_id() or args.rdzv_id or DEFAULT_RDZV_ID
+    return supervise(command, storage, checkpoint, cfg.preemption, Path(cfg.log.dir),
+                     nodes=args.nnodes, recovery=cfg.recovery, job_id=job_id)
 
 
 # ---------------------------------------------------------------- supervise --
 def supervise(command: list[str], storage: Storage, before: Committed | None,
-              preemption: PreemptionConfig, log_dir: Path) -> int:
-    """Run torchrun, forward signals to it, and translate its exit status."""
+              preemption: PreemptionConfig, log_dir: Path, *, nodes: int = 1,
+              recovery: RecoveryConfig | None = None, job_id: str | None = None) -> int:
+    """Run torchrun, forward signals to it, and translate its exit status.
+
+    After a node loss (exit 74) this job has ended on every node: the lease its rank 0
+    held, perhaps on the lost machine, is removed, so that the next start is not kept
+    waiting until it goes stale.
+    """
     launched_at = time.time()
     forwarded: list[str] = []
     pending: list[int] = []
@@ -263,9 +281,24 @@ def supervise(command: list[str], storage: Storage, before: Committed | None,
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return exit_status(returncode, storage, before, preemption, forwarded,
-                       stopped_by_notice=preemption_logged_since(log_dir, launched_at),
-                       training_status=training_status_since(log_dir, launched_at))
+    lost = (node_lost_since(log_dir, launched_at, recovery) if nodes > 1 and returncode != 0
+            and recovery is not None else None)
+    status = exit_status(returncode, storage, before, preemption, forwarded,
+                         stopped_by_notice=preemption_logged_since(log_dir, launched_at),
+                         training_status=training_status_since(log_dir, launched_at),
+                         node_lost=lost)
+    if status == exit_codes.NODE_LOST and job_id is not None:
+        try:
+            lease = Lease(storage, stale_s=0.0, wait_s=0.0)  # only read, then removed
+            holder = lease.release_for_ended_job(job_id)
+        except Exception as exc:  # noqa: BLE001 - the store down: it goes stale in time
+            print(f"resume: could not release this job's lease "
+                  f"({exit_codes.error_line(exc, 160)})", file=sys.stderr, flush=True)
+        else:
+            if holder is not None:
+                print(f"resume: released the lease of {holder}: this job has ended",
+                      file=sys.stderr, flush=True)
+    return status
 
 
 def preemption_logged_since(log_dir: Path, since: float) -> bool:
@@ -285,10 +318,39 @@ def training_status_since(log_dir: Path, since: float) -> tuple[int, str] | None
     return (int(ends[-1]["status"]), str(ends[-1].get("reason", ""))) if ends else None
 
 
+def node_lost_since(log_dir: Path, since: float, recovery: RecoveryConfig) -> str | None:
+    """Why torchrun gave up on a node of several, or None when it did not.
+
+    torchrun ends after a worker's failure only when its in-place restarts are used up,
+    when it was signalled, or when the nodes could not meet again: a node is gone (its
+    machine vanished, or its torchrun died with it) and did not come back within
+    ``recovery.rendezvous_timeout_s``. The last of these is read from the exit records
+    of this node's ranks (``recovery/attempts.py``): the newest start of this launch
+    ended in a failure that torchrun would have restarted (a crash, a hang, a rank
+    killed without a word) with restarts left, and no later start followed.
+    """
+    records = [r for r in read_records(log_dir) if r.get("started", 0) >= since]
+    if not records:
+        return None  # no start in this launch: the first meeting failed, torchrun's status
+    restart = max(int(r.get("restart", 0)) for r in records)
+    last = [r for r in records if int(r.get("restart", 0)) == restart]
+    failed = [r for r in last if r["state"] in ("crashed", "hung", "running")]
+    if not failed or any(r["state"] == "ended" for r in last):
+        return None
+    if restart >= recovery.max_restarts:
+        return None  # the in-place restarts were used up: a crash, torchrun's status
+    first = min(failed, key=lambda r: r.get("time", 0))
+    return (f"{describe(first)}; then torchrun could not gather every node for its restart "
+            f"{restart + 1} of {recovery.max_restarts}: the rendezvous waits up to "
+            f"recovery.rendezvous_timeout_s={recovery.rendezvous_timeout_s:g} s, and fails at "
+            "once when the node hosting it is gone")
+
+
 def exit_status(returncode: int, storage: Storage, before: Committed | None,
                 preemption: PreemptionConfig, forwarded: list[str],
                 stopped_by_notice: bool = False,
-                training_status: tuple[int, str] | None = None) -> int:
+                training_status: tuple[int, str] | None = None,
+                node_lost: str | None = None) -> int:
     """0, ``preemption.exit_code`` when the run was preempted, the status training logged
     when it refused to run (2), could not save its last state (73), stopped retrying
     because starts kept failing without progress (79) or was interrupted by the user
@@ -324,5 +386,11 @@ def exit_status(returncode: int, storage: Storage, before: Committed | None,
         print(f"resume: preempted ({why}); exit {preemption.exit_code}: run resume again",
               file=sys.stderr, flush=True)
         return preemption.exit_code
+    if node_lost is not None:
+        print(f"resume: a node of this job was lost ({node_lost}); exit "
+              f"{exit_codes.NODE_LOST}: run again, training resumes from the newest "
+              f"committed checkpoint{f' (step {after.step})' if after else ''}",
+              file=sys.stderr, flush=True)
+        return exit_codes.NODE_LOST
     # A negative status means torchrun died of a signal; report it the way shells do.
     return 128 - returncode if returncode < 0 else returncode

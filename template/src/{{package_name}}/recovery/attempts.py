@@ -86,15 +86,7 @@ class Attempt:
 
     def local_records(self) -> list[dict[str, Any]]:
         """Every record in this node's ``exits`` folder (all ranks', if log.dir is shared)."""
-        records = []
-        for path in sorted(self.dir.glob("rank*.json")):
-            try:
-                record = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                continue  # cut short by a kill while written: nothing to learn from it
-            if isinstance(record, dict) and record.get("state") in _PRIORITY:
-                records.append(record)
-        return records
+        return read_records(self.dir.parent)
 
     def _write(self, state: str, **fields: Any) -> None:
         record = {**self._record, "state": state, "step": self.step, **fields,
@@ -124,6 +116,20 @@ class Attempt:
 
         self._write("hung", status=HUNG, reason=f"no step finished in {waited_s:.1f} s "
                     f"(bound {bound_s:.1f} s)")
+
+
+def read_records(log_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every rank's record in ``<log_dir>/exits`` (this node's ranks, or all of them when
+    log.dir is shared)."""
+    records = []
+    for path in sorted((Path(log_dir) / EXITS_DIR).glob("rank*.json")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # cut short by a kill while written: nothing to learn from it
+        if isinstance(record, dict) and record.get("state") in _PRIORITY:
+            records.append(record)
+    return records
 
 
 def gather_previous(attempt: Attempt, world_size: int) -> list[dict[str, Any]]:

@@ -2,8 +2,8 @@
 docs/RECOVERY.md explain them).
 
 A scheduler reads these: 0, ``BAD_INPUT`` and ``NO_PROGRESS`` end the job;
-``preemption.exit_code`` (``PREEMPTED``, 75 by default) and ``NOT_SAVED`` ask for
-another run, which resumes from the newest committed checkpoint. ``HUNG`` is a worker's
+``preemption.exit_code`` (``PREEMPTED``, 75 by default), ``NOT_SAVED`` and ``NODE_LOST`` ask
+for another run, which resumes from the newest committed checkpoint. ``HUNG`` is a worker's
 own status when its watchdog fires: torchrun restarts the workers in place on it, and a
 launcher never sees it (``resume`` reports torchrun's).
 """
@@ -12,6 +12,9 @@ OK = 0             # finished (train, resume), passed (drill, verify)
 FAILED = 1         # crashed, or a check failed (drill, verify)
 BAD_INPUT = 2      # refused before running: configuration, arguments, a task breaking its contract
 NOT_SAVED = 73     # training ended but its last state is not in a committed checkpoint: run again
+NODE_LOST = 74     # several nodes: one was lost (it vanished, or did not come back within
+                   # recovery.rendezvous_timeout_s); the others stopped. Run again: training
+                   # resumes from the newest committed checkpoint (resume decides it)
 PREEMPTED = 75     # default of preemption.exit_code: EX_TEMPFAIL, "run me again"
 NO_PROGRESS = 79   # recovery.max_attempts_without_progress starts in a row ended without a
                    # new checkpoint: do NOT retry; fix the cause first (docs/RECOVERY.md)

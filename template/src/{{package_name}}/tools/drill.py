@@ -1,6 +1,7 @@
 """The interruption drill: lose a run the hard way, resume it, and check that nothing changed.
 
     python -m <package>.drill --save-ranks N --resume-ranks M --out DIR
+                              [--save-nodes D] [--kill job|node] [--lost-node I|rank0]
                               [--steps S] [--interrupt-at K] [--config PATH]
                               [--timeout SECONDS] [key=value ...]
 
@@ -8,8 +9,19 @@
 2. interrupted  the same run on N ranks, killed with SIGKILL (torchrun, its workers and
                 the checkpoint background processes, as when a machine is lost) once
                 the checkpoint of step K has committed and training has moved past it.
+                With ``--save-nodes D`` the interrupted run is D nodes on this machine,
+                each its own ``resume`` and torchrun agent with N/D ranks, meeting
+                through torchrun's rendezvous; ``--kill node`` then kills one node only
+                (``--lost-node``: a node index, node 0 hosting the rendezvous, or
+                ``rank0``, the node where rank 0 holds the lease and commits; default
+                a node at random),
+                a random number of steps after the checkpoint, and checks that the
+                others stop by themselves within recovery.rendezvous_timeout_s and a
+                margin, exit 74, leave nothing running and no torn checkpoint
+                (tools/drill_nodes.py).
 3. resume       ``python -m <package>.resume --nproc-per-node M`` in the interrupted
-                run's directories, to step S: the command a launcher runs after a loss.
+                run's directories, to step S: the command a launcher runs after a loss
+                (after a node loss: on the surviving node alone).
 4. compare      loss and grad norm of every step after the resume point, against 1.
 
 Passed: on the same world size the resumed steps are bit-identical to the reference
@@ -29,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -44,7 +57,8 @@ from ..loop.sampling import BatchSizeError, split_global_batch
 from ..loop.task_contract import check_config, load_task
 from ..runtime import exit_codes
 from ..runtime.metrics import Event, EventTail
-from . import drill_report
+from . import drill_nodes, drill_report
+from .process_tree import kill_tree, process_tree
 
 DEFAULT_STEPS = 24
 # The default save interval is the largest divisor of K up to this, so that a few
@@ -59,6 +73,7 @@ OWNED_KEYS = {"train.max_steps": "--steps", "checkpoint.dir": "--out", "log.dir"
 MARKER = ".drill"
 OUTPUTS = ("reference", "interrupted", "report.json", "report.md", "loss.png")
 POLL_S = 0.01
+RANK0 = "rank0"   # --lost-node: the node where rank 0 runs
 
 
 class DrillError(RuntimeError):
@@ -77,6 +92,9 @@ class Drill:
     overrides: list[str]
     cfg: Config
     timeout_s: float
+    save_nodes: int = 1
+    kill: str = "job"                  # job | node
+    lost_node: int | str | None = None   # --kill node: which node is lost (an index, "rank0")
     started: float = field(default_factory=time.monotonic)
     commands: dict[str, list[str]] = field(default_factory=dict)
 
@@ -91,6 +109,10 @@ class Drill:
                                 nproc_per_node=self.save_ranks,
                                 max_restarts=self.cfg.recovery.max_restarts)
 
+    def node_commands(self, name: str, nodes: drill_nodes.Nodes) -> list[list[str]]:
+        config = ["--config", self.config] if self.config else []
+        return [nodes.command(node, config, self.run_dirs(name)) for node in range(nodes.count)]
+
     def resume_command(self) -> list[str]:
         config = ["--config", self.config] if self.config else []
         return [sys.executable, "-m", f"{PACKAGE}.resume",
@@ -99,64 +121,6 @@ class Drill:
 
     def say(self, message: str) -> None:
         print(f"[{time.monotonic() - self.started:6.1f} s] {message}", flush=True)
-
-
-# ------------------------------------------------------------ process tree --
-def _parents() -> dict[int, int]:
-    """Parent pid of every process: /proc on Linux, ``ps`` elsewhere."""
-    proc = Path("/proc")
-    if not (proc / "self" / "stat").exists():
-        out = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True,
-                             text=True, check=True).stdout
-        return {int(pid): int(ppid) for pid, ppid in (line.split() for line in out.splitlines())}
-    parents = {}
-    for entry in proc.iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue  # exited while we looked
-            # The parent pid follows the command name, which may itself contain ") ".
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    return parents
-
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and all its descendants."""
-    children: dict[int, list[int]] = {}
-    for pid, ppid in _parents().items():
-        children.setdefault(ppid, []).append(pid)
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, ()))
-    return tree
-
-
-def _signal(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def kill_tree(root: int) -> int:
-    """SIGKILL ``root`` and every descendant at once, as losing the machine would.
-
-    Killing torchrun's process group is not enough: torchrun starts each worker in a
-    session of its own, and DCP's background writer hangs below each worker. Everyone
-    is frozen first (SIGSTOP), so that nobody reacts to a death or forks while the tree
-    is walked; the walk repeats until it finds no one new. Returns how many were killed.
-    """
-    frozen: set[int] = set()
-    while new := [pid for pid in process_tree(root) if pid not in frozen]:
-        for pid in new:
-            _signal(pid, signal.SIGSTOP)
-        frozen.update(new)
-    for pid in frozen:
-        _signal(pid, signal.SIGKILL)
-    return len(frozen)
 
 
 # ------------------------------------------------------------------- phases --
@@ -193,57 +157,107 @@ def run_to_end(drill: Drill, command: list[str], log_path: Path, what: str) -> N
         raise DrillError(f"{what} exited {code}; see {log_path}")
 
 
-def run_and_kill(drill: Drill, command: list[str], name: str) -> dict:
-    """Start the run and kill its whole process tree once step K is committed and passed."""
+def run_and_kill(drill: Drill, commands: list[list[str]], name: str) -> dict:
+    """Start the run (one command per node) and kill it once step K is committed and
+    passed: every node's process tree (``--kill job``) or one node's (``--kill node``,
+    a random number of steps later, before the next checkpoint; then the others are
+    watched as they stop by themselves)."""
     base = drill.out / name
-    log_path = base / "output.log"
+    logs = ([base / "output.log"] if len(commands) == 1 else
+            [base / f"node{node}-output.log" for node in range(len(commands))])
     tail = EventTail(base / "logs")
     k = drill.interrupt_at
+    lost = drill.lost_node if drill.kill == "node" else None
+    # A node is lost at a random step after the checkpoint, before the next one starts.
+    target = k + 1 + (random.randint(0, max(0, drill.interval - 2)) if lost is not None else 0)
     saved = passed = False
-    proc = _start(command, log_path)
+    procs = [_start(command, log) for command, log in zip(commands, logs)]
     deadline = time.monotonic() + drill.timeout_s
+    result: dict = {}
     try:
         while not (saved and passed):
             for event in tail.read():
                 saved |= event["event"] == Event.save and event.get("step") == k
-                passed |= event["event"] == Event.step and event.get("step", 0) > k
+                passed |= event["event"] == Event.step and event.get("step", 0) >= target
             if saved and passed:
                 break
-            if proc.poll() is not None:
+            ended = next((p for p in procs if p.poll() is not None), None)
+            if ended is not None:
                 raise DrillError(
-                    f"the run ended (exit {proc.returncode}) before the checkpoint of step {k} "
-                    f"committed and a later step ran; use more --steps or a smaller "
-                    f"--interrupt-at; see {log_path}")
+                    f"the run ended (exit {ended.returncode}) before the checkpoint of step "
+                    f"{k} committed and a later step ran; use more --steps or a smaller "
+                    f"--interrupt-at; see {logs[procs.index(ended)]}")
             if time.monotonic() > deadline:
                 raise DrillError(f"step {k} was not saved and passed within "
-                                 f"{drill.timeout_s:g} s; see {log_path}")
+                                 f"{drill.timeout_s:g} s; see {logs[0]}")
             time.sleep(POLL_S)
-        killed_at = time.time()
-        killed = kill_tree(proc.pid)
+        if lost is None:
+            killed_at = time.time()
+            killed = sum(kill_tree(proc.pid) for proc in procs)
+        else:
+            if lost == RANK0:
+                lost = drill_nodes.node_of_rank(0, base / "logs", procs)
+                if lost is None:
+                    raise DrillError(f"rank 0 runs on none of the nodes; see {logs[0]}")
+            others = {node: proc for node, proc in enumerate(procs) if node != lost}
+            trees = {node: process_tree(proc.pid) for node, proc in others.items()}
+            killed_at = time.time()
+            killed = kill_tree(procs[lost].pid)
+            bound = drill.cfg.recovery.rendezvous_timeout_s + drill_nodes.NOTICE_MARGIN_S
+            result = drill_nodes.watch_survivors(others, trees, killed_at, bound)
+            for proc in others.values():
+                if proc.poll() is None:  # past the bound (a problem already): stop it
+                    kill_tree(proc.pid)
+            checkpoints = str(base / "checkpoints")
+            torn = drill_nodes.torn_checkpoints(checkpoints)
+            result["problems"] += [f"torn checkpoint {item}" for item in torn]
+            result.update(lost_node=lost, rendezvous_host=lost == 0, bound_s=bound,
+                          lost_ranks=drill_nodes.ranks_killed(base / "logs"),
+                          lease_after=drill_nodes.lease_holder(checkpoints))
     except BaseException:
-        if proc.poll() is None:
-            kill_tree(proc.pid)
+        for proc in procs:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
         raise
     finally:
-        proc.wait()
-    return {"killed_at": killed_at, "processes_killed": killed}
+        for proc in procs:
+            proc.wait()
+    return {"killed_at": killed_at, "processes_killed": killed, "node_loss": result or None}
 
 
 def run_drill(drill: Drill) -> dict:
     n, m, s, k = drill.save_ranks, drill.resume_ranks, drill.steps, drill.interrupt_at
-    drill.commands = {"reference": drill.train_command("reference"),
-                      "interrupted": drill.train_command("interrupted"),
-                      "resume": drill.resume_command()}
+    drill.commands = {"reference": drill.train_command("reference")}
+    if drill.save_nodes == 1:
+        interrupted = [drill.train_command("interrupted")]
+        drill.commands["interrupted"] = interrupted[0]
+    else:
+        nodes = drill_nodes.Nodes.plan(drill.save_nodes, n)
+        interrupted = drill.node_commands("interrupted", nodes)
+        drill.commands.update({f"interrupted, node {node}": command
+                               for node, command in enumerate(interrupted)})
+    drill.commands["resume"] = drill.resume_command()
 
     drill.say(f"1/4 reference: {s} uninterrupted steps on {n} rank(s) ...")
     run_to_end(drill, drill.commands["reference"], drill.out / "reference" / "output.log",
                "the reference run")
 
-    drill.say(f"2/4 interrupted run on {n} rank(s): SIGKILL once step {k} is committed ...")
-    kill = run_and_kill(drill, drill.commands["interrupted"], "interrupted")
+    where = f"{n} rank(s)" + (f" on {drill.save_nodes} nodes" if drill.save_nodes > 1 else "")
+    whom = ("the whole job" if drill.kill == "job" else "the node of rank 0"
+            if drill.lost_node == RANK0 else f"node {drill.lost_node}"
+            + (" (the rendezvous host)" if drill.lost_node == 0 else ""))
+    drill.say(f"2/4 interrupted run on {where}: SIGKILL {whom} once step {k} is committed ...")
+    kill = run_and_kill(drill, interrupted, "interrupted")
     before = drill_report.split_runs(drill.out / "interrupted" / "logs")[0]
     drill.say(f"    killed {kill['processes_killed']} processes at step "
               f"{before.last_step} (checkpoint of step {k} committed)")
+    loss = kill["node_loss"]
+    if loss is not None:
+        for node, end in sorted(loss["survivors"].items()):
+            drill.say(f"    node {node} noticed and exited {end['status']} "
+                      f"{end['seconds']:.1f} s after the loss")
+        for problem in loss["problems"]:
+            drill.say(f"    problem: {problem}")
 
     drill.say(f"3/4 resume on {m} rank(s) with {PACKAGE}.resume, to step {s} ...")
     run_to_end(drill, drill.commands["resume"], drill.out / "interrupted" / "resume-output.log",
@@ -269,6 +283,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="ranks of the reference and the interrupted run")
     parser.add_argument("--resume-ranks", type=positive_int, required=True, metavar="M",
                         help="ranks that resume the interrupted run")
+    parser.add_argument("--save-nodes", type=positive_int, default=1, metavar="D",
+                        help="nodes of the interrupted run, each its own torchrun agent on "
+                             "this machine with N/D ranks (default 1)")
+    parser.add_argument("--kill", choices=("job", "node"), default="job",
+                        help="what is lost: every process of the run (job, the default) or "
+                             "one node's (node; needs --save-nodes 2 or more)")
+    parser.add_argument("--lost-node", default=None, metavar="I|rank0",
+                        help="with --kill node: the node lost, 0 to D-1 (0 hosts the "
+                             "rendezvous), or rank0 (the node of rank 0, which holds the "
+                             "lease); default one at random")
     parser.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, metavar="S",
                         help=f"steps of every run (default {DEFAULT_STEPS})")
     parser.add_argument("--interrupt-at", type=positive_int, default=None, metavar="K",
@@ -314,7 +338,30 @@ def prepare(args: argparse.Namespace) -> Drill:
     _check_devices(cfg, max(args.save_ranks, args.resume_ranks))
     config = str(Path(args.config).resolve()) if args.config else None
     return Drill(args.save_ranks, args.resume_ranks, args.steps, k, interval,
-                 args.out.resolve(), config, overrides, cfg, float(args.timeout))
+                 args.out.resolve(), config, overrides, cfg, float(args.timeout),
+                 save_nodes=args.save_nodes, kill=args.kill, lost_node=_lost_node(args))
+
+
+def _lost_node(args: argparse.Namespace) -> int | str | None:
+    """Check the node arguments; the node ``--kill node`` loses (None for ``--kill job``)."""
+    if args.save_ranks % args.save_nodes:
+        raise ValueError(f"--save-ranks {args.save_ranks} does not split evenly over "
+                         f"--save-nodes {args.save_nodes}")
+    if args.kill == "job":
+        if args.lost_node is not None:
+            raise ValueError("--lost-node needs --kill node")
+        return None
+    if args.save_nodes < 2:
+        raise ValueError("--kill node needs --save-nodes 2 or more: with one node, losing "
+                         "it is losing the job (--kill job)")
+    if args.lost_node is None:
+        return random.randrange(args.save_nodes)
+    if args.lost_node == RANK0:
+        return RANK0
+    if not args.lost_node.isdigit() or int(args.lost_node) >= args.save_nodes:
+        raise ValueError(f"--lost-node must be 0 to {args.save_nodes - 1} or {RANK0} "
+                         f"(got {args.lost_node})")
+    return int(args.lost_node)
 
 
 def _check_devices(cfg: Config, ranks: int) -> None:

@@ -120,7 +120,8 @@ def build(drill, kill: dict[str, Any]) -> dict[str, Any]:
                               f"and {len(runs)}")
     reference, (before, after) = reference_runs[0], runs
     resumed_from = int(after.start["step"])
-    problems = []
+    loss = kill.get("node_loss")
+    problems = list(loss["problems"]) if loss else []
     if resumed_from == 0:
         problems.append("the resumed run started from step 0: it found no checkpoint")
     if after.last_step != drill.steps:
@@ -155,6 +156,9 @@ def build(drill, kill: dict[str, Any]) -> dict[str, Any]:
         "resumed_from_step": resumed_from,
         "steps_redone": before.last_step - resumed_from,
         "processes_killed": kill["processes_killed"],
+        "save_nodes": drill.save_nodes,
+        "kill": drill.kill,
+        "node_loss": _node_loss(loss),
         "global_batch_size": drill.cfg.train.global_batch_size,
         "saved_grad_accum_steps": before.start.get("grad_accum_steps"),
         "resume_grad_accum_steps": after.start.get("grad_accum_steps"),
@@ -177,6 +181,19 @@ def build(drill, kill: dict[str, Any]) -> dict[str, Any]:
     report["plot"] = plot(drill.out / "loss.png", reference, before, after, report)
     _write(drill.out, report, render_markdown(report))
     return report
+
+
+def _node_loss(loss: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the surviving nodes did after ``--kill node`` (None after ``--kill job``)."""
+    if loss is None:
+        return None
+    seconds = [end["seconds"] for end in loss["survivors"].values()]
+    return {"lost_node": loss["lost_node"], "rendezvous_host": loss["rendezvous_host"],
+            "lost_ranks": loss["lost_ranks"],
+            "survivors": {str(node): end for node, end in sorted(loss["survivors"].items())},
+            "loss_to_exit_s": max(seconds) if seconds else None, "bound_s": loss["bound_s"],
+            "left_running": loss["left_running"], "lease_after": loss["lease_after"],
+            "problems": loss["problems"]}
 
 
 def failure(drill, error: str) -> dict[str, Any]:
@@ -208,9 +225,14 @@ def render_markdown(r: dict[str, Any]) -> str:
     same = r["save_world_size"] == r["resume_world_size"]
     criterion = ("bit-identical losses and grad norms (same world size)" if same else
                  f"relative loss difference below {RESHARD_REL_TOL:g} (another world size)")
+    loss = r.get("node_loss")
     facts = {
         "killed (SIGKILL)": f"at step {r['interrupted_at_step']}, {r['processes_killed']} "
-                            "processes: torchrun, workers, checkpoint writers",
+                            "processes: torchrun, workers, checkpoint writers"
+                            + (f" of node {loss['lost_node']} of {r['save_nodes']} ("
+                               + ("the rendezvous host, " if loss["rendezvous_host"] else "")
+                               + f"rank {', '.join(map(str, loss['lost_ranks']))})"
+                               if loss else ""),
         "resumed from": f"the checkpoint of step {r['resumed_from_step']} "
                         f"(steps redone: {r['steps_redone']})",
         "gradient accumulation": f"{r['saved_grad_accum_steps']} on {r['save_world_size']} "
@@ -228,6 +250,12 @@ def render_markdown(r: dict[str, Any]) -> str:
         "before the kill": f"max loss difference {_num(r['before_kill_max_abs_loss_diff'])} "
                            "against the reference (0: this machine is deterministic)",
     }
+    if loss:
+        ends = ", ".join(f"node {node} exited {end['status']} after {end['seconds']:.1f} s"
+                         for node, end in loss["survivors"].items())
+        facts["the other nodes"] = (f"{ends or 'none exited'} (bound {loss['bound_s']:g} s); "
+                                    f"{len(loss['left_running'])} process(es) left running; "
+                                    f"lease then: {loss['lease_after'] or 'released'}")
     lines = [f"# Interruption drill: {r['save_world_size']} → {r['resume_world_size']} rank(s)",
              "", f"**{'PASSED' if r['passed'] else 'FAILED'}** — {r['verdict']}.", "",
              f"Criterion: {criterion}.", "", "| | |", "|---|---|"]

@@ -1,0 +1,69 @@
+"""A process and all its descendants: found through /proc (``ps`` elsewhere), killed at once.
+
+The drill loses a run the way a machine is lost: every process of it SIGKILLed at the
+same moment, torchrun's workers and their checkpoint writers included.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+
+def _parents() -> dict[int, int]:
+    """Parent pid of every process: /proc on Linux, ``ps`` elsewhere."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        out = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True,
+                             text=True, check=True).stdout
+        return {int(pid): int(ppid) for pid, ppid in (line.split() for line in out.splitlines())}
+    parents = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # exited while we looked
+            # The parent pid follows the command name, which may itself contain ") ".
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parents
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in _parents().items():
+        children.setdefault(ppid, []).append(pid)
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def kill_tree(root: int) -> int:
+    """SIGKILL ``root`` and every descendant at once, as losing the machine would.
+
+    Killing torchrun's process group is not enough: torchrun starts each worker in a
+    session of its own, and DCP's background writer hangs below each worker. Everyone
+    is frozen first (SIGSTOP), so that nobody reacts to a death or forks while the tree
+    is walked; the walk repeats until it finds no one new. Returns how many were killed.
+    """
+    frozen: set[int] = set()
+    while new := [pid for pid in process_tree(root) if pid not in frozen]:
+        for pid in new:
+            _signal(pid, signal.SIGSTOP)
+        frozen.update(new)
+    for pid in frozen:
+        _signal(pid, signal.SIGKILL)
+    return len(frozen)

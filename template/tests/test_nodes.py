@@ -1,0 +1,225 @@
+"""Two nodes on one machine: two torchrun agents, each started by ``resume --nnodes 2``,
+meeting through torchrun's c10d rendezvous on the loopback address (node 0 hosts it).
+
+A preemption notice that reaches one node stops both at the same step with one final
+checkpoint; a node lost without a word (its whole process tree SIGKILLed) makes the
+other stop by itself within recovery.rendezvous_timeout_s and exit 74, and the run
+resumes on one node (the drill). The quick tests check how ``resume`` reads a node loss.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (
+    finish,
+    overrides_for,
+    project_module,
+    read_events,
+    run_module,
+    start,
+    torchrun,
+    wait_until,
+)
+
+CONFIG = "configs/train.yaml"
+SMALL = ("model.d_model=32", "model.n_layers=1", "log.every_steps=1")
+overrides = overrides_for(*SMALL)
+NODE_LOST = 74
+RENDEZVOUS_S = 10  # a short wait for a lost node keeps the suite quick
+
+
+def start_nodes(tmp_path: Path, dirs: dict[str, str], *extra: str) -> list:
+    nodes = project_module("tools.drill_nodes").Nodes.plan(2, 2)
+    return [start("resume", *nodes.command(node, [], overrides(dirs, *extra))[3:],
+                  log_file=tmp_path / f"node{node}.log") for node in range(2)]
+
+
+@pytest.mark.slow
+def test_a_notice_to_one_node_stops_both_together_then_one_node_resumes(tmp_path):
+    """SIGTERM reaches node 1's launcher only (a cloud notice seen by one VM): both nodes
+    stop at the same step with one preemption checkpoint and exit 75; one node with one
+    rank resumes from it and continues the uninterrupted run within the drill's
+    tolerance (another world size)."""
+    reference = {"ckpt": str(tmp_path / "ref-ckpt"), "logs": str(tmp_path / "ref-logs")}
+    torchrun(2, "train", *overrides(reference, "train.max_steps=30"))
+    dirs = {"ckpt": str(tmp_path / "ckpt"), "logs": str(tmp_path / "logs")}
+    nodes = start_nodes(tmp_path, dirs, "train.max_steps=30", "checkpoint.interval_steps=1000")
+    try:
+        wait_until(lambda: any(e["step"] >= 8 for e in read_events(Path(dirs["logs"]), "step")),
+                   nodes[0], "step 8 on two nodes", log_file=tmp_path / "node0.log")
+        nodes[1].send_signal(signal.SIGTERM)
+        codes = [finish(node, 180) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert codes == [75, 75], (tmp_path / "node0.log").read_text()[-3000:]
+    saves = read_events(Path(dirs["logs"]), "save")
+    assert [e.get("reason") for e in saves] == ["preemption"]
+    stopped = saves[0]["step"]
+    steps = [e["step"] for e in read_events(Path(dirs["logs"]), "step")]
+    assert max(steps) == stopped  # no rank ran past the step the stop was agreed at
+
+    run_module("resume", "--nproc-per-node", "1", *overrides(dirs, "train.max_steps=30"),
+               timeout=300)
+    drill_report = project_module("tools.drill_report")
+    resumed = drill_report.split_runs(Path(dirs["logs"]))[-1]
+    assert resumed.start["step"] == stopped and resumed.start["world_size"] == 1
+    ref = drill_report.split_runs(Path(reference["logs"]))[0]
+    diffs = drill_report.compare(ref.steps, resumed.steps)
+    assert diffs["compared_steps"] == list(range(stopped + 1, 31))
+    assert diffs["max_rel_loss_diff"] < drill_report.RESHARD_REL_TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", ["0", "1", "rank0"],
+                         ids=["rendezvous-host-lost", "other-node-lost", "rank0-node-lost"])
+def test_node_loss_drill(tmp_path, lost):
+    """``drill --save-nodes 2 --kill node --resume-ranks 1``: the other node notices,
+    stops within the bound, exits 74 and leaves nothing running or torn, nor a lease
+    (rank 0, which holds it, may be on either node: torchrun assigns the ranks); the
+    run then resumes on one node and matches the uninterrupted one."""
+    out = tmp_path / "drill"
+    proc = run_module("drill", "--save-ranks", "2", "--save-nodes", "2", "--kill", "node",
+                      "--lost-node", lost, "--resume-ranks", "1", "--out", str(out),
+                      "--steps", "16", "--interrupt-at", "8",
+                      f"recovery.rendezvous_timeout_s={RENDEZVOUS_S}", check=False,
+                      timeout=600)
+    report = json.loads((out / "report.json").read_text())
+    assert proc.returncode == 0 and report["passed"], proc.stdout[-3000:]
+    loss = report["node_loss"]
+    if lost == "rank0":
+        assert 0 in loss["lost_ranks"]
+    else:
+        assert loss["lost_node"] == int(lost) and loss["rendezvous_host"] == (lost == "0")
+    assert loss["lost_ranks"] and not loss["left_running"] and not loss["problems"]
+    (survivor, end), = loss["survivors"].items()
+    assert int(survivor) == 1 - loss["lost_node"] and end["status"] == NODE_LOST
+    assert end["seconds"] <= RENDEZVOUS_S + project_module("tools.drill_nodes").NOTICE_MARGIN_S
+    assert loss["lease_after"] is None  # released: the next start is not kept waiting
+    assert 0 <= report["steps_redone"] <= report["interval_steps"]  # at most one interval
+    assert ("the rendezvous host" in (out / "report.md").read_text()) == loss["rendezvous_host"]
+
+
+@pytest.mark.slow
+def test_a_replacement_node_rejoins_and_training_continues_in_place(tmp_path):
+    """What Kubernetes does for a lost pod: a new node 1 (the same ``resume`` command)
+    starts while node 0 waits in its rendezvous; torchrun restarts the workers in place
+    on both, training resumes from the newest checkpoint and both nodes finish with 0."""
+    dirs = {"ckpt": str(tmp_path / "ckpt"), "logs": str(tmp_path / "logs")}
+    args = overrides(dirs, "train.max_steps=40", "checkpoint.interval_steps=10",
+                     "recovery.rendezvous_timeout_s=60")
+    nodes = project_module("tools.drill_nodes").Nodes.plan(2, 2)
+
+    def node(index: int, log: str):
+        return start("resume", *nodes.command(index, [], args)[3:], log_file=tmp_path / log)
+
+    procs = [node(0, "node0.log"), node(1, "node1.log")]
+    try:
+        logs = Path(dirs["logs"])
+        wait_until(lambda: any(e["step"] == 10 for e in read_events(logs, "save"))
+                   and any(e["step"] >= 12 for e in read_events(logs, "step")),
+                   procs[0], "checkpoint 10 and step 12 on two nodes",
+                   log_file=tmp_path / "node0.log")
+        project_module("tools.process_tree").kill_tree(procs[1].pid)
+        procs[1].wait()
+        time.sleep(2)
+        procs[1] = node(1, "node1-replacement.log")
+        codes = [finish(proc, 300) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                project_module("tools.process_tree").kill_tree(proc.pid)
+    assert codes == [0, 0], (tmp_path / "node0.log").read_text()[-3000:]
+    starts = read_events(Path(dirs["logs"]), "start")
+    assert [(e["step"], e["restart"], e["world_size"]) for e in starts] == [(0, 0, 2),
+                                                                         (10, 1, 2)]
+    assert read_events(Path(dirs["logs"]), "recovered")[0]["step"] == 11
+    assert max(e["step"] for e in read_events(Path(dirs["logs"]), "step")) == 40
+
+
+# --------------------------------------------- how resume reads a node loss --
+def _record(exits: Path, rank: int, state: str, restart: int, started: float) -> None:
+    exits.mkdir(parents=True, exist_ok=True)
+    (exits / f"rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "host": "h", "pid": 1, "run_id": "j", "restart": restart,
+         "started": started, "state": state, "step": 5, "reason": "DistBackendError: x",
+         "time": started + 1}))
+
+
+@pytest.mark.parametrize("states, restart, lost", [
+    (["crashed"], 0, True),         # a peer's death broke a collective; no restart followed
+    (["hung"], 1, True),            # a silent peer met the watchdog; restart 2 never began
+    (["running"], 0, True),         # this node's rank died without a word, restarts left
+    (["crashed"], 3, False),        # the in-place restarts were used up: a crash
+    (["ended"], 0, False),          # training decided its status
+    ([], 0, False),                 # no start in this launch: the first meeting failed
+])
+def test_resume_reads_a_node_loss_from_the_exit_records(tmp_path, states, restart, lost):
+    supervisor = project_module("launch.supervisor")
+    recovery = project_module("config").RecoveryConfig(max_restarts=3)
+    since = time.time()
+    _record(tmp_path / "exits", 7, "running", 0, since - 100)   # an earlier launch's rank
+    for rank, state in enumerate(states):
+        _record(tmp_path / "exits", rank, state, restart, since + 1)
+    why = supervisor.node_lost_since(tmp_path, since, recovery)
+    assert (why is not None) == lost
+    if lost:
+        assert "recovery.rendezvous_timeout_s" in why and "rank 0" in why
+
+
+def test_resume_asks_torchrun_to_bound_the_wait_for_nodes(tmp_path, capsys):
+    supervisor = project_module("launch.supervisor")
+    code = supervisor.main(["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint",
+                            "h0:29500", "--rdzv-conf", "is_host=1", "--dry-run", "--config",
+                            CONFIG, f"checkpoint.dir={tmp_path}",
+                            "recovery.rendezvous_timeout_s=42.5"])
+    assert code == 0
+    assert "--rdzv-conf=is_host=1,join_timeout=43" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        supervisor.main(["--rdzv-conf", "join_timeout=5", "--dry-run"])
+    assert info.value.code == 2 and "recovery.rendezvous_timeout_s" in capsys.readouterr().err
+
+
+def test_a_lease_of_an_earlier_run_of_the_same_job_is_taken_over(tmp_path, monkeypatch):
+    """A Slurm job requeued (or a Kubernetes pod replaced) on another machine finds the
+    lease its earlier run left when its node vanished: same scheduler job id, taken over
+    at once; another job's fresh lease is waited for."""
+    lease_mod = project_module("checkpoint.lease")
+    storage = project_module("checkpoint.storage").open_storage(str(tmp_path))
+    now = time.time()
+    for variable in lease_mod.JOB_ID_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    earlier = {"host": "lost-vm", "pid": 1, "job_id": "4242", "acquired": now, "heartbeat": now}
+    storage.write_text_durable(lease_mod.LEASE_FILE, json.dumps(earlier))
+    notice = lease_mod.Lease(storage, stale_s=120, wait_s=0).acquire()
+    assert notice is not None and "an earlier run of this job (4242)" in notice
+    other = {**earlier, "job_id": "777", "heartbeat": time.time()}
+    storage.write_text_durable(lease_mod.LEASE_FILE, json.dumps(other))
+    with pytest.raises(lease_mod.LeaseHeld):
+        lease_mod.Lease(storage, stale_s=120, wait_s=0).acquire()
+    assert lease_mod.Lease(storage, stale_s=1, wait_s=0).release_for_ended_job("4242") is None
+    assert lease_mod.Lease(storage, stale_s=1, wait_s=0).release_for_ended_job("777")
+    assert lease_mod.Lease(storage, stale_s=1, wait_s=0).owner() is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--save-ranks", "4", "--save-nodes", "3", "--resume-ranks", "1"], "split evenly"),
+    (["--save-ranks", "2", "--kill", "node", "--resume-ranks", "1"], "--save-nodes 2 or more"),
+    (["--save-ranks", "2", "--save-nodes", "2", "--kill", "node", "--lost-node", "2",
+      "--resume-ranks", "1"], "--lost-node must be 0 to 1 or rank0"),
+    (["--save-ranks", "2", "--lost-node", "0", "--resume-ranks", "1"], "needs --kill node"),
+])
+def test_drill_refuses_bad_node_arguments(tmp_path, capsys, args, message):
+    code = project_module("tools.drill").main(["--config", CONFIG, "--out",
+                                               str(tmp_path / "out"), *args])
+    assert code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
