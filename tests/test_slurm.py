@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,7 +94,13 @@ def test_the_time_limit_warning_saves_requeues_and_the_job_finishes_each_step_on
         output(project, job)[-3000:]
     [stop] = events(run, "preemption")
     assert stop["source"] == "SIGUSR1"
-    # The requeued job would wait ~2 minutes (BeginTime): let it start now, unhurried.
+    # The requeued job would wait ~2 minutes (BeginTime): let it start now, unhurried. Not
+    # in the second it was requeued: slurmd compares a job's credential with the time its
+    # previous one was revoked in whole seconds, and refused a start in that same second
+    # ("Job credential revoked": the job FAILED without running, seen once in CI).
+    slurm.wait_for(job, lambda f: f.get("JobState") == "PENDING" or ended(f), "pending again",
+                   timeout=60)
+    time.sleep(2)
     slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=10")
     done = slurm.wait_for(job, ended, "the end of the requeued job", timeout=300)
     assert done["JobState"] == "COMPLETED", output(project, job)[-3000:]
