@@ -105,9 +105,9 @@ def test_default_project_fast_tier_passes(default_project, request):
 
 # The generated suite with its slow tests, in two halves of about the same length run
 # side by side (the machine has two cores; most of these tests keep one busy): the kill
-# loop and the real servers, and the rest.
+# loop, the real servers and the node-loss drills, and the rest.
 FIRST_HALF = {"test_kill_loop.py", "test_object_store.py", "test_tracking.py",
-              "test_compile.py"}
+              "test_compile.py", "test_node_loss.py"}
 
 
 @pytest.mark.slow
