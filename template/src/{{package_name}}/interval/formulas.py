@@ -1,4 +1,5 @@
-"""The checkpoint interval plan: the model, the one source of its formulas.
+"""The checkpoint interval plan: the model, the one source of its formulas (a little over
+400 lines: kept whole, so that every formula the checklist mirrors is in one file).
 
     M   mean time between interruptions of the job (s): one node's MTBI / nodes, below
     T   time of one optimizer step (s)          δ   time one save blocks training (s)

@@ -73,7 +73,6 @@ OWNED_KEYS = {"train.max_steps": "--steps", "checkpoint.dir": "--out", "log.dir"
 MARKER = ".drill"
 OUTPUTS = ("reference", "interrupted", "report.json", "report.md", "loss.png")
 POLL_S = 0.01
-RANK0 = "rank0"   # --lost-node: the node where rank 0 runs
 
 
 class DrillError(RuntimeError):
@@ -195,7 +194,7 @@ def run_and_kill(drill: Drill, commands: list[list[str]], name: str) -> dict:
             killed_at = time.time()
             killed = sum(kill_tree(proc.pid) for proc in procs)
         else:
-            if lost == RANK0:
+            if lost == drill_nodes.RANK0:
                 lost = drill_nodes.node_of_rank(0, base / "logs", procs)
                 if lost is None:
                     raise DrillError(f"rank 0 runs on none of the nodes; see {logs[0]}")
@@ -244,7 +243,7 @@ def run_drill(drill: Drill) -> dict:
 
     where = f"{n} rank(s)" + (f" on {drill.save_nodes} nodes" if drill.save_nodes > 1 else "")
     whom = ("the whole job" if drill.kill == "job" else "the node of rank 0"
-            if drill.lost_node == RANK0 else f"node {drill.lost_node}"
+            if drill.lost_node == drill_nodes.RANK0 else f"node {drill.lost_node}"
             + (" (the rendezvous host)" if drill.lost_node == 0 else ""))
     drill.say(f"2/4 interrupted run on {where}: SIGKILL {whom} once step {k} is committed ...")
     kill = run_and_kill(drill, interrupted, "interrupted")
@@ -339,29 +338,7 @@ def prepare(args: argparse.Namespace) -> Drill:
     config = str(Path(args.config).resolve()) if args.config else None
     return Drill(args.save_ranks, args.resume_ranks, args.steps, k, interval,
                  args.out.resolve(), config, overrides, cfg, float(args.timeout),
-                 save_nodes=args.save_nodes, kill=args.kill, lost_node=_lost_node(args))
-
-
-def _lost_node(args: argparse.Namespace) -> int | str | None:
-    """Check the node arguments; the node ``--kill node`` loses (None for ``--kill job``)."""
-    if args.save_ranks % args.save_nodes:
-        raise ValueError(f"--save-ranks {args.save_ranks} does not split evenly over "
-                         f"--save-nodes {args.save_nodes}")
-    if args.kill == "job":
-        if args.lost_node is not None:
-            raise ValueError("--lost-node needs --kill node")
-        return None
-    if args.save_nodes < 2:
-        raise ValueError("--kill node needs --save-nodes 2 or more: with one node, losing "
-                         "it is losing the job (--kill job)")
-    if args.lost_node is None:
-        return random.randrange(args.save_nodes)
-    if args.lost_node == RANK0:
-        return RANK0
-    if not args.lost_node.isdigit() or int(args.lost_node) >= args.save_nodes:
-        raise ValueError(f"--lost-node must be 0 to {args.save_nodes - 1} or {RANK0} "
-                         f"(got {args.lost_node})")
-    return int(args.lost_node)
+                 save_nodes=args.save_nodes, kill=args.kill, lost_node=drill_nodes.lost_node(args))
 
 
 def _check_devices(cfg: Config, ranks: int) -> None:

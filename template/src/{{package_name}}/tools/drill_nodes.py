@@ -16,7 +16,9 @@ checkpoint may fail its checksums.
 
 from __future__ import annotations
 
+import argparse
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -38,6 +40,7 @@ from .process_tree import process_tree
 # loss (a collective with a vanished peer fails at once; a silent one meets the step
 # watchdog) and to stop its workers and checkpoint processes.
 NOTICE_MARGIN_S = 60.0
+RANK0 = "rank0"   # --lost-node: the node where rank 0 runs
 
 
 def free_port() -> int:
@@ -142,3 +145,25 @@ def node_of_rank(rank: int, log_dir: Path, procs: list[subprocess.Popen]) -> int
         if pid in process_tree(proc.pid):
             return node
     return None
+
+
+def lost_node(args: argparse.Namespace) -> int | str | None:
+    """Check the node arguments; the node ``--kill node`` loses (None for ``--kill job``)."""
+    if args.save_ranks % args.save_nodes:
+        raise ValueError(f"--save-ranks {args.save_ranks} does not split evenly over "
+                         f"--save-nodes {args.save_nodes}")
+    if args.kill == "job":
+        if args.lost_node is not None:
+            raise ValueError("--lost-node needs --kill node")
+        return None
+    if args.save_nodes < 2:
+        raise ValueError("--kill node needs --save-nodes 2 or more: with one node, losing "
+                         "it is losing the job (--kill job)")
+    if args.lost_node is None:
+        return random.randrange(args.save_nodes)
+    if args.lost_node == RANK0:
+        return RANK0
+    if not args.lost_node.isdigit() or int(args.lost_node) >= args.save_nodes:
+        raise ValueError(f"--lost-node must be 0 to {args.save_nodes - 1} or {RANK0} "
+                         f"(got {args.lost_node})")
+    return int(args.lost_node)
