@@ -38,7 +38,7 @@ def test_commit_records_size_and_crc32_of_every_file(tmp_path, ckpt):
     storage = storage_mod.LocalStorage(tmp_path)
     directory = save_and_commit(storage, layout, 3)
     record = json.loads((directory / "commit.json").read_text())
-    assert record["checksum"] == {"algorithm": "crc32", "block_bytes": 64 << 20}
+    assert record["checksum"] == {"algorithm": "crc32", "block_bytes": 8 << 20}
     listed = sorted(p.name for p in directory.iterdir() if p.name != "commit.json")
     assert sorted(record["files"]) == listed
     for name, entry in record["files"].items():

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import layout, safe_load
+from .integrity import Expected
 from .storage import Storage
 
 MODEL_PREFIX = "app.model."  # where checkpoint.state puts the model's tensors
 SHOWN = 4                    # differences listed per kind
 
 
-def saved_model_shapes(storage: Storage, name: str) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every model tensor a checkpoint holds."""
-    path = f"{name}/{layout.METADATA_FILE}"
-    with storage.open_read(path) as handle:
-        metadata = safe_load.load_metadata(handle, storage.path(path))
+def saved_model_shapes(storage: Storage, name: str, checksums: Expected | None = None
+                       ) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every model tensor a checkpoint holds (``.metadata`` checked
+    against ``checksums`` first when they are given: ChecksumMismatch)."""
+    metadata = storage.reader(name, checksums).read_metadata()
     return {key[len(MODEL_PREFIX):]: tuple(item.size)
             for key, item in metadata.state_dict_metadata.items()
             if key.startswith(MODEL_PREFIX) and hasattr(item, "size")}

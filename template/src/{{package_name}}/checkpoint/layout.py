@@ -185,12 +185,19 @@ def newest_complete_checkpoint(storage: Storage, *, verify: str = "all") -> Comm
 def verified_newest_first(storage: Storage, verify: str = "all"):
     """Complete checkpoints whose files match their checksums, newest first, checked one at
     a time as the caller asks for the next (a load that fails falls back to the next)."""
-    for checkpoint in _complete_newest_first(storage, warn=True):
+    for checkpoint in sized_newest_first(storage):
         check = integrity.check_contents(storage, checkpoint.name, checkpoint.record, verify)
         if check.problem:
             log.warning("skipping checkpoint %s: %s", checkpoint.path, check.problem)
             continue
-        if check.unverified:
+        yield checkpoint
+
+
+def sized_newest_first(storage: Storage):
+    """Complete checkpoints (commit record, every file of its size), newest first, contents
+    unread: for a load that checks the checksums as it reads (``reader.py``)."""
+    for checkpoint in _complete_newest_first(storage, warn=True):
+        if integrity.expected(checkpoint.record) is None:
             log.warning("note: checkpoint %s has no checksums in its %s (an older version "
                         "committed it): its file sizes are checked, its contents are not",
                         checkpoint.path, COMMIT_FILE)

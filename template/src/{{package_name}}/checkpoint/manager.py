@@ -12,6 +12,8 @@ state and its lock, and are easiest to check side by side.)
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import threading
 import time
@@ -31,7 +33,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..config import AsyncMode
 from ..runtime.distributed import any_rank
-from . import layout
+from . import integrity, layout
 from .background import start_checkpoint_process, stderr_to
 from .dcp_planner import TrainingStatePlanner
 from .lease import Lease
@@ -184,8 +186,9 @@ class CheckpointManager:
         return layout.newest_complete_checkpoint(self.storage, verify=self.verify)
 
     def candidates(self):
-        """Complete, verified checkpoints, newest first, checked as they are asked for."""
-        return layout.verified_newest_first(self.storage, self.verify)
+        """Complete checkpoints, newest first, for a resume: the load checks their checksums
+        as it reads them (``load``), so they are not read beforehand."""
+        return layout.sized_newest_first(self.storage)
 
     def load(self, state: dict[str, Any], checkpoint: layout.Committed) -> None:
         """Load ``state`` (Stateful objects) in place; DCP reshards to this world size.
@@ -194,16 +197,23 @@ class CheckpointManager:
         metadata classes allowed, non-tensor values load with ``weights_only=True``
         (``safe_load``). Anything else raises UnsafeCheckpointError, on every rank alike.
         """
-        from .safe_load import SafeLoadPlanner, UnsafeCheckpointError, unsafe_failure
+        from .safe_load import SafeLoadPlanner, UnsafeCheckpointError, failure_of
 
-        reader = self.storage.reader(checkpoint.name)
+        # The checksums are checked as the load reads the bytes (reader.py), unless
+        # checkpoint.verify is none: a damaged block fails the load with ChecksumMismatch.
+        expected = None if self.verify == "none" else integrity.expected(checkpoint.record)
+        reader = self.storage.reader(checkpoint.name, expected)
         try:
             # Every rank reads .metadata for itself, so every rank refuses a bad one here,
             # before DCP's collectives begin: none is left waiting for another.
-            reader.read_metadata()
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+            with _garbage_collection_paused():
+                reader.read_metadata()
+                dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
         except CheckpointException as exc:
-            unsafe = unsafe_failure(exc)
+            damaged = failure_of(exc, integrity.ChecksumMismatch)
+            if damaged is not None:   # any rank's: the message names the file and bytes
+                raise integrity.ChecksumMismatch(str(damaged)) from None
+            unsafe = failure_of(exc, UnsafeCheckpointError)
             if unsafe is None:
                 raise
             raise UnsafeCheckpointError(f"checkpoint {checkpoint.path}: {unsafe}") from None
@@ -439,6 +449,21 @@ class CheckpointManager:
             self._stager.close()
         self._stager = None
         return result
+
+
+@contextlib.contextmanager
+def _garbage_collection_paused():
+    """No full garbage collection in the middle of a load. A trainer holds a few hundred
+    thousand objects; the load's plans and records make enough new ones to start a full
+    collection, which took 0.2 to 0.3 s of a 0.3 s load on 2 CPU ranks (measured with
+    gc.callbacks). What the load leaves behind is freed by reference counting anyway."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class _NotCommitted(RuntimeError):

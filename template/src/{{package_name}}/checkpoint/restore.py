@@ -1,15 +1,18 @@
 """Which checkpoint a start resumes from, and loading it: newest first, checked, with
 fallback to older ones.
 
-Rank 0 picks each candidate (it alone reads the listing and the checksums) and every
-rank loads the same one. A checkpoint of another model is refused with what differs
-(exit status 2); one that fails to load for another reason (damage the checksums could
-not see, an unsafe ``.metadata``) is skipped for the one before it, unless
-``checkpoint.strict_resume``.
+Rank 0 picks each candidate (it alone reads the listing and the commit records) and
+every rank loads the same one, checking the checksums of what it reads as it reads it
+(``reader.py``): the bytes are read once. A damaged checkpoint (a block that does not
+match its checksum) is skipped with a warning, as discovery always skipped it; one of
+another model is refused with what differs (exit status 2); one that fails to load for
+another reason (damage the checksums could not see, an unsafe ``.metadata``) is skipped
+for the one before it, unless ``checkpoint.strict_resume``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -21,9 +24,12 @@ from ..runtime.distributed import Runtime, any_rank, decide_on_rank0
 from ..runtime.exit_codes import error_line
 from ..runtime.metrics import MetricsLog
 from . import compat
+from .integrity import ChecksumMismatch, expected
 from .layout import Committed
 from .manager import CheckpointManager
 from .state import Progress
+
+log = logging.getLogger(__name__)
 
 
 class IncompatibleCheckpoint(ValueError):
@@ -69,13 +75,18 @@ def choose_and_load(manager: CheckpointManager, training: TrainingState, cfg: Co
                 f"checkpoint {checkpoint.path} was saved from another model: "
                 + "; ".join(differences) + ". Restore the model: settings it was trained "
                 "with (its commit.json has them) or use another checkpoint.dir")
-        error = unreadable or _load(manager, checkpoint, training, runtime, metrics)
-        (failed,) = any_rank(error is not None)
+        error, damaged = (unreadable if unreadable is not None
+                          else _load(manager, checkpoint, training, runtime, metrics))
+        failed, damaged_somewhere = any_rank(error is not None, damaged)
         if not failed:
             if training.uses_default_schedule:
                 warn_if_schedule_changed(checkpoint, cfg, training.progress.step, metrics.say)
             return checkpoint
         why = f"{checkpoint.path}: {error or 'failed on another rank'}"
+        if damaged_somewhere:   # whatever strict_resume says, as discovery always did
+            if damaged:
+                log.warning("skipping checkpoint %s", why)
+            continue
         if cfg.checkpoint.strict_resume:
             raise CheckpointUnusable(f"cannot load checkpoint {why} (checkpoint.strict_resume "
                                      "is on, so older checkpoints are not tried)")
@@ -84,23 +95,26 @@ def choose_and_load(manager: CheckpointManager, training: TrainingState, cfg: Co
 
 
 def _next_candidate(manager: CheckpointManager, candidates, shapes: dict, cfg: Config
-                    ) -> tuple[Committed | None, list[str], str | None]:
-    """Rank 0: the next checkpoint to try, what differs from this model, why unreadable."""
+                    ) -> tuple[Committed | None, list[str], tuple[str, bool] | None]:
+    """Rank 0: the next checkpoint to try, what differs from this model, and why it is
+    unreadable (the sentence, whether it is damage) or None."""
     checkpoint = next(candidates, None)
     if checkpoint is None:
         return None, [], None
+    checksums = None if manager.verify == "none" else expected(checkpoint.record)
     try:
         differences = compat.differences(
-            compat.saved_model_shapes(manager.storage, checkpoint.name), shapes,
+            compat.saved_model_shapes(manager.storage, checkpoint.name, checksums), shapes,
             checkpoint.record.get("config", {}).get("model"), cfg.model)
-    except (OSError, RuntimeError) as exc:  # incl. UnsafeCheckpointError
-        return checkpoint, [], str(exc)
+    except (OSError, RuntimeError) as exc:  # incl. UnsafeCheckpointError, ChecksumMismatch
+        return checkpoint, [], (str(exc), isinstance(exc, ChecksumMismatch))
     return checkpoint, differences, None
 
 
 def _load(manager: CheckpointManager, checkpoint: Committed, training: TrainingState,
-          runtime: Runtime, metrics: MetricsLog) -> str | None:
-    """Load one checkpoint into the training state; returns why it failed, or None."""
+          runtime: Runtime, metrics: MetricsLog) -> tuple[str | None, bool]:
+    """Load one checkpoint into the training state; returns why it failed (or None) and
+    whether that is damage its checksums found."""
     # RNG streams belong to ranks on one kind of device: they only carry over when
     # the ranks and the device kind do (a CPU save holds no CUDA generator state).
     saved_device = checkpoint.record.get("device_type", "cpu")
@@ -109,14 +123,16 @@ def _load(manager: CheckpointManager, checkpoint: Committed, training: TrainingS
     try:
         manager.load(training.state(with_rng=same_streams), checkpoint)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the caller falls back
-        return error_line(exc, limit=None)
+        if isinstance(exc, ChecksumMismatch):   # the file and bytes, as discovery says them
+            return str(exc), True
+        return error_line(exc, limit=None), False
     if not same_streams:
         training.reseed(training.progress.step)
         metrics.say(
             f"notice: checkpoint saved on {checkpoint.world_size} {saved_device} rank(s), "
             f"resuming on {runtime.world_size} {runtime.device.type} rank(s): "
             "random streams reseeded from (seed, step, rank)")
-    return None
+    return None, False
 
 
 def warn_if_schedule_changed(checkpoint: Committed, cfg: Config, step: int,

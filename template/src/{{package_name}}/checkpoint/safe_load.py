@@ -109,13 +109,9 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
     """
 
 
-def safe_fsspec_reader(path: str) -> FileSystemReader:
-    """DCP's fsspec reader (object stores), reading ``.metadata`` with the restricted unpickler."""
-    return _safe_fsspec_reader_class()(path)
-
-
 @cache
-def _safe_fsspec_reader_class() -> type:
+def safe_fsspec_reader_class() -> type:
+    """DCP's fsspec reader (object stores), reading ``.metadata`` with the restricted unpickler."""
     # Built on first use: fsspec is optional. A private module (public in all but name
     # since torch 2.2), as for the writer.
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -146,9 +142,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def unsafe_failure(exc: BaseException) -> UnsafeCheckpointError | None:
     """The UnsafeCheckpointError inside a CheckpointException (any rank's), if there is one."""
+    return failure_of(exc, UnsafeCheckpointError)
+
+
+def failure_of(exc: BaseException, kind: type[BaseException]) -> Any:
+    """The first ``kind`` error among a CheckpointException's ranks' failures (or ``exc``
+    itself when it is one); None if there is none."""
+    if isinstance(exc, kind):
+        return exc
     failures = getattr(exc, "failures", None) or {}
     for _, failure in sorted(failures.items()):
         inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, UnsafeCheckpointError):
+        if isinstance(inner, kind):
             return inner
     return None

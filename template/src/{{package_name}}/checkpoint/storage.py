@@ -17,7 +17,7 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from torch.distributed.checkpoint import (
     FileSystemWriter,
@@ -26,7 +26,10 @@ from torch.distributed.checkpoint import (
 )
 
 from ..config import OBJECT_STORE_SCHEMES
-from .safe_load import SafeFileSystemReader, safe_fsspec_reader
+from .reader import OneReadFileSystemReader, one_read_fsspec_reader
+
+if TYPE_CHECKING:
+    from .integrity import Expected
 
 
 class StorageError(OSError):
@@ -127,9 +130,12 @@ class LocalStorage:
     def writer(self, name: str) -> StorageWriter:
         return FileSystemWriter(self.path(name), sync_files=True)
 
-    def reader(self, name: str) -> StorageReader:
-        # Never DCP's plain reader: it unpickles .metadata without restriction.
-        return SafeFileSystemReader(self.path(name))
+    def reader(self, name: str, expected: Expected | None = None) -> StorageReader:
+        # Never DCP's plain reader: it unpickles .metadata without restriction. This one
+        # reads each file once and checks ``expected`` (commit.json's checksums) as it reads.
+        reader = OneReadFileSystemReader(self.path(name))
+        reader.expected = expected
+        return reader
 
     def open_read(self, name: str) -> IO[bytes]:
         return open(self.root / name, "rb")
@@ -251,9 +257,11 @@ class FsspecStorage:
 
         return FsspecWriter(self.path(name), sync_files=True)
 
-    def reader(self, name: str) -> StorageReader:
-        # Never DCP's plain reader: it unpickles .metadata without restriction.
-        return safe_fsspec_reader(self.path(name))
+    def reader(self, name: str, expected: Expected | None = None) -> StorageReader:
+        # As LocalStorage.reader: one sequential stream per file, not a request per tensor.
+        reader = one_read_fsspec_reader(self.path(name))
+        reader.expected = expected
+        return reader
 
     def open_read(self, name: str) -> IO[bytes]:
         return self.fs.open(self._key(name), "rb")
