@@ -284,6 +284,17 @@ def test_a_killed_worker_is_restarted_in_place_and_the_run_stays_exact(tmp_path)
     assert len(recovered) == 1 and recovered[0]["in_place"]
     assert 0 < recovered[0]["failure_to_first_step_s"] < 120
     assert read_events(logs, "end")[-1]["status"] == 0
+    # The restart's phases, in order, from the failure to the first step.
+    phases = [e for e in read_events(logs, "phase") if e["restart"] == 1]
+    on_path = [e for e in phases if not e.get("off_the_path")]
+    assert [e["phase"] for e in on_path] == [
+        "failure_detected", "workers_stopped", "process_started", "imports_done",
+        "rendezvous_done", "model_built", "checkpoint_chosen", "loaded", "first_step"]
+    assert all(e["duration_s"] >= -0.05 for e in on_path[1:])
+    total = on_path[-1]["at"] - on_path[0]["at"]
+    assert abs(total - recovered[0]["failure_to_first_step_s"]) < 1.0, (total, recovered)
+    assert [e["phase"] for e in phases if e.get("off_the_path")] in (
+        [], ["checkpoint_process_ready"])
 
 
 @pytest.mark.slow
@@ -416,3 +427,23 @@ def test_a_slowed_rank_is_reported_as_a_straggler(tmp_path):
     # 4 micro-batches of 50 ms each per step on rank 1: its own time is about 0.2 s.
     assert all(e["own_s"] > 0.15 and e["ratio"] > 1.5 for e in found)
     assert "warning: rank 1 is a straggler" in log.read_text()
+
+
+def test_a_start_after_a_failure_lays_out_its_phases_from_the_failure(tmp_path):
+    phases = project_module("runtime.phases")
+    phases.reset()
+    try:
+        now = time.time()
+        for offset, phase in ((3.0, phases.Phase.imports_done), (3.5, phases.Phase.model_built),
+                              (3.7, phases.Phase.loaded), (4.0, phases.Phase.first_step)):
+            phases.mark(phase, now + offset)
+        phases.mark(phases.Phase.process_started, now + 1.0)
+        rows = phases.timeline({"failed_at": now, "stopped_at": now + 0.5})
+    finally:
+        phases.reset()
+    assert [(r["phase"], r["duration_s"]) for r in rows] == [
+        ("failure_detected", None), ("workers_stopped", 0.5), ("process_started", 0.5),
+        ("imports_done", 2.0), ("model_built", 0.5), ("loaded", 0.2), ("first_step", 0.3)]
+    text = phases.breakdown(rows)
+    assert "first_step" in text.splitlines()[-1] and "4.00 s" in text.splitlines()[-1]
+    assert phases.breakdown([]) == "no start has recorded its phases yet"

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..config import AsyncMode
 from ..runtime.distributed import any_rank
 from . import integrity, layout
-from .background import start_checkpoint_process, stderr_to
+from .background import start_checkpoint_process
 from .dcp_planner import TrainingStatePlanner
 from .lease import Lease
 from .staging import ReusingStager
@@ -117,6 +117,9 @@ class CheckpointManager:
             self._group = dist.new_group(backend="gloo")
         self._inflight: _InFlight | None = None
         self._prestaging: Future | None = None   # buffers being allocated (``prestage``)
+        self._starting: Future | None = None     # the checkpoint process starting (``warm_up``)
+        self._ready_by = 0.0
+        self._start_timeout_s = 0.0
         # Held by a commit in DCP's upload thread and by ``abandon``: once a save is given
         # up, no commit of it starts; one already under way finishes first.
         self._commit_lock = threading.Lock()
@@ -129,25 +132,45 @@ class CheckpointManager:
     # ---------------------------------------------------------------- startup --
     def warm_up(self, state: dict[str, Any] | None, timeout_s: float,
                 process_log: str | None = None) -> str | None:
-        """Start the background checkpoint process and allocate the staging buffers now.
+        """Start the background checkpoint process and the staging buffers' allocation.
 
-        Then the first save of the run costs what later ones do, and a checkpoint process
-        that cannot start is found before training, not at the first save. A collective
-        on every rank; returns None, or why the warm-up failed on this rank (the caller
-        agrees across ranks and falls back to synchronous saves).
+        Neither is waited for here: the process starts while the first steps train
+        (``wait_ready``, before the first save, waits for it, bounded by ``timeout_s``
+        from now); the buffers are filled in the background and waited for before the
+        next optimizer step (``wait_staged``). Then the first save costs what later ones
+        do. A collective on every rank; returns None, or why the start failed on this
+        rank (the caller agrees across ranks and falls back to synchronous saves).
         """
         if self.mode == AsyncMode.sync:
             return None
         try:
             if self._stager is not None and state is not None:  # buffers, cached by tensor
-                staged = self._stage(state)
-                if staged is not None:
-                    staged.result(timeout=timeout_s)
+                self._prestaging = self._stage(state)
             if self.mode == AsyncMode.process:
-                with stderr_to(process_log):  # DCP's process logs at INFO to its stderr
-                    start_checkpoint_process(timeout_s)
+                self._starting = start_checkpoint_process(process_log)
+                self._ready_by = time.perf_counter() + timeout_s
+                self._start_timeout_s = timeout_s
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported, then sync
             self._abandoned = True  # a half-started process may still hold a thread
+            return self.record_failure(None, exc, "the background checkpoint process did not start")
+        return None
+
+    def wait_ready(self) -> str | None:
+        """Wait for the checkpoint process ``warm_up`` started (bounded by what is left of
+        checkpoint.start_timeout_s); None, or why it did not start on this rank."""
+        starting, self._starting = self._starting, None
+        if starting is None:
+            return None
+        try:
+            starting.result(timeout=max(0.0, self._ready_by - time.perf_counter()))
+        except futures.TimeoutError:
+            self._abandoned = True
+            return self.record_failure(None, TimeoutError(
+                f"the background checkpoint process did not start within "
+                f"{self._start_timeout_s:g} s (checkpoint.start_timeout_s)"),
+                "the background checkpoint process did not start")
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported, then sync
+            self._abandoned = True
             return self.record_failure(None, exc, "the background checkpoint process did not start")
         return None
 

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..preemption.stop import Vote
 from ..runtime.distributed import any_rank, decide_on_rank0
 from ..runtime.metrics import Event, MetricsLog
+from ..runtime.phases import Phase
 from .layout import Committed
 from .manager import CheckpointManager, SaveResult
 
@@ -97,6 +98,8 @@ class SavePolicy:
         self.resumed_from: Committed | None = None
         self._waited_s: dict[int, float] = {}
         self._prestage = False   # allocate the staging buffers after the first optimizer step
+        self._starting = False   # the checkpoint process is starting (``warm_up``)
+        self._warm_up_began = 0.0
 
     # ------------------------------------------------------------ each step --
     def due(self, step: int) -> bool:
@@ -109,7 +112,7 @@ class SavePolicy:
         the optimizer has state (after a resume), since asking an optimizer without state
         for its state dict initialises it with a step of its own.
         """
-        began = time.perf_counter()
+        self._warm_up_began = time.perf_counter()
         failure = self.manager.warm_up(self._state() if stage else None, timeout_s,
                                        process_log)
         (failed_somewhere,) = any_rank(failure is not None)
@@ -118,8 +121,26 @@ class SavePolicy:
                                  f"not start on every rank ({failure or 'on another rank'})")
         elif self.manager.mode.value != "sync":
             self._prestage = not stage
-            self.metrics.say(f"background checkpointing ready in "
-                             f"{time.perf_counter() - began:.2f} s")
+            self._starting = True
+
+    def wait_ready(self, step: int) -> None:
+        """Before the first save (every rank at the same step): the checkpoint process
+        ``warm_up`` started is up, or saves go synchronous. Logs when it became ready."""
+        if not self._starting:
+            return
+        self._starting = False
+        failure = self.manager.wait_ready()
+        (failed_somewhere,) = any_rank(failure is not None)
+        if failed_somewhere:
+            self._go_synchronous(step, "the background checkpoint process did not start on "
+                                 f"every rank ({failure or 'on another rank'})")
+            return
+        took = time.perf_counter() - self._warm_up_began
+        self.metrics.event(Event.phase, step=step, phase=Phase.checkpoint_process_ready.value,
+                           at=round(time.time(), 3), duration_s=round(took, 3),
+                           off_the_path=True)   # the first steps trained meanwhile
+        self.metrics.say(f"background checkpointing ready {took:.2f} s after it was started "
+                         "(the first steps trained meanwhile)")
 
     def progress_step(self) -> int:
         return int(self._state()["progress"].step)
@@ -140,6 +161,9 @@ class SavePolicy:
         with self.allowance(False) if due else contextlib.nullcontext():
             waited = self._finish_previous(boundary) if due else 0.0
             vote = boundary.vote(failed_saves=self.manager.failed_saves)
+        if (due or vote.stop_at is not None) and self._starting:
+            with self.allowance(False):
+                self.wait_ready(step)
         if vote.stop_at is not None:   # preemption: one more reason to save, now
             with self.allowance(True):
                 stopped = self.stop(step, vote.stop_at, boundary)
@@ -212,6 +236,7 @@ class SavePolicy:
 
     def finish(self, boundary: StepBoundary) -> None:
         """At the end of the run: commit the save in flight (bounded) and release the buffers."""
+        self.wait_ready(self.progress_step())
         self._finish_previous(boundary, stop_ends_wait=False)
         self._report(self.manager.close())
 

@@ -20,9 +20,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import Config
 from ..config.schedule import lr_factor
+from ..runtime import phases
 from ..runtime.distributed import Runtime, any_rank, decide_on_rank0
 from ..runtime.exit_codes import error_line
 from ..runtime.metrics import MetricsLog
+from ..runtime.phases import Phase
 from . import compat
 from .integrity import ChecksumMismatch, expected
 from .layout import Committed
@@ -64,6 +66,7 @@ def choose_and_load(manager: CheckpointManager, training: TrainingState, cfg: Co
     while True:
         checkpoint, differences, unreadable = decide_on_rank0(
             lambda: _next_candidate(manager, candidates, shapes, cfg))
+        phases.mark(Phase.checkpoint_chosen)
         if checkpoint is None:
             if failures:
                 raise CheckpointUnusable(
@@ -79,6 +82,7 @@ def choose_and_load(manager: CheckpointManager, training: TrainingState, cfg: Co
                           else _load(manager, checkpoint, training, runtime, metrics))
         failed, damaged_somewhere = any_rank(error is not None, damaged)
         if not failed:
+            phases.mark(Phase.loaded)
             if training.uses_default_schedule:
                 warn_if_schedule_changed(checkpoint, cfg, training.progress.step, metrics.say)
             return checkpoint

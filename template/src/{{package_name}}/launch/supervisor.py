@@ -46,7 +46,7 @@ from ..config import Config, ConfigError, PreemptionConfig, RecoveryConfig, Veri
 from ..loop.sampling import BatchSizeError, split_global_batch
 from ..loop.task_contract import check_config, load_task
 from ..recovery.attempts import describe, read_records
-from ..runtime import exit_codes
+from ..runtime import exit_codes, phases
 from ..runtime.metrics import Event, read_events
 from .command import DEFAULT_RDZV_ID, positive_int, rdzv_conf, torchrun_command
 
@@ -241,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         print(warning, file=sys.stderr)
     print(f"  command: {shlex.join(command)}", file=human, flush=True)
     if args.dry_run:
+        print(f"  the newest start's phases ({cfg.log.dir}/metrics.jsonl):\n"
+              + phases.breakdown(phases.newest_timeline(cfg.log.dir)), file=human)
         print(point.to_json(), flush=True)
         return 0
     # The job id training's lease carries: the scheduler's, else torchrun's run id.

@@ -47,7 +47,7 @@ from ..preemption.watch import PreemptionWatch, effective_grace_s, start_notice_
 from ..recovery.attempts import FAILURES, Attempt, cause, gather_previous
 from ..recovery.progress_guard import ProgressGuard
 from ..recovery.watchdog import StepWatchdog
-from ..runtime import exit_codes
+from ..runtime import exit_codes, phases
 from ..runtime.distributed import (
     BackendUnavailable,
     Runtime,
@@ -57,6 +57,7 @@ from ..runtime.distributed import (
 )
 from ..runtime.exit_codes import error_line
 from ..runtime.metrics import Event, MetricsLog, append_event
+from ..runtime.phases import Phase
 from ..tracking.trackers import open_trackers
 from .sampling import BatchSizeError
 from .task_contract import load_task
@@ -75,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    phases.mark(Phase.imports_done)
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:  # torch's own INFO chatter stays off the console
@@ -96,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except BackendUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exit_codes.BAD_INPUT
+    phases.mark(Phase.rendezvous_done)
     # How the previous start ended, on every rank, before this one writes its own record.
     attempt = Attempt(cfg.log.dir, runtime.rank)
     previous = cause(gather_previous(attempt, runtime.world_size))
@@ -203,6 +206,7 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: Stop
                           stop_requested=lambda: stop.requested)
     except (ConfigError, BatchSizeError) as exc:
         return _refuse(exc)
+    phases.mark(Phase.model_built)
     attempt.progress = trainer.progress
     try:
         resumed = trainer.resume()
@@ -229,8 +233,7 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: Stop
         f"{trainer.progress.step}, {runtime.world_size} rank(s) on {runtime.device.type}, "
         f"gradient accumulation {trainer.split.grad_accum_steps}, "
         f"checkpoints every {cfg.checkpoint.interval_steps} steps to {cfg.checkpoint.dir}")
-    if failed:
-        trainer.on_first_step = lambda step: _recovered(metrics, attempt, previous, step)
+    trainer.on_first_step = lambda step: _first_step(metrics, attempt, previous, step, failed)
     try:
         outcome = trainer.run()
     except TaskError as exc:
@@ -266,6 +269,16 @@ def _attach_trackers(cfg: Config, metrics: MetricsLog, resumed: Committed | None
     except ConfigError as exc:
         return str(exc)
     return None
+
+
+def _first_step(metrics: MetricsLog, attempt: Attempt, previous: dict[str, Any] | None,
+                step: int, failed: bool) -> None:
+    """The first step of this start: its phases, and after a failure what it cost."""
+    phases.mark(Phase.first_step)
+    for row in phases.timeline(previous if failed else None):
+        metrics.event(Event.phase, step=step, restart=attempt.restart, **row)
+    if failed:
+        _recovered(metrics, attempt, previous, step)
 
 
 def _recovered(metrics: MetricsLog, attempt: Attempt, previous: dict[str, Any],

@@ -203,6 +203,7 @@ def cause(records: list[dict[str, Any]]) -> dict[str, Any] | None:
         "signal": signal_of(status),
         "error": primary.get("reason") if primary["state"] != "running" else None,
         "failed_at": failed_at,
+        "stopped_at": max(ended) if ended else None,   # the last recorded end of a rank
         "restart": primary.get("restart"),
         "newest_step": next((r["newest_step"] for r in records if "newest_step" in r), None),
         "attempt": "{}/{}/{:.3f}".format(primary.get("run_id"), primary.get("restart"),

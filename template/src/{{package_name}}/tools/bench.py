@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 -m <package>.bench [--repeats 3] [--json] [key=value ...]
     torchrun --nproc-per-node 2 -m <package>.bench --train-steps 50 [--interval 10]
+    python -m <package>.bench --restart [--repeats 5] [--nproc 2]
 
 Every figure is a median over ``--repeats``, on this configuration's real model and
 optimizer state, with the same bytes, in the same run (so a busy machine moves all of
@@ -23,6 +24,8 @@ them alike):
 
 ``--train-steps N`` instead trains N steps without and N steps with checkpointing every
 ``--interval`` steps, ``--repeats`` times alternately, and prints the throughput ratio.
+``--restart`` (run with python, not torchrun) times restarts of real jobs with their
+phases (``bench_restart.py``).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from ..runtime.distributed import (
     setup,
     teardown,
 )
+from . import bench_restart
 from .bench_loop import Bench, bench_config, build_trainer, measure_stall, measure_throughput
 from .bench_report import fmt, ratios, report_text, throughput_text
 
@@ -147,6 +151,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--interval", type=int, default=None, metavar="K",
                         help="with --train-steps: save every K steps "
                              "(default checkpoint.interval_steps)")
+    parser.add_argument("--restart", action="store_true",
+                        help="instead: time restarts (a stopped job resumed, a worker killed) "
+                             "with their phases; run with python, not under torchrun")
+    parser.add_argument("--nproc", type=int, default=2, metavar="N",
+                        help="with --restart: ranks of the jobs it launches (default 2)")
     parser.add_argument("--config", default=None, help="YAML config (default configs/train.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser.parse_args(argv)
@@ -154,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    for name in ("repeats", "train_steps", "interval"):
+    for name in ("repeats", "train_steps", "interval", "nproc"):
         value = getattr(args, name)
         if value is not None and value < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
@@ -164,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exit_codes.BAD_INPUT
+    if args.restart:
+        return bench_restart.main(cfg, args.overrides, repeats=args.repeats, nproc=args.nproc,
+                                  as_json=args.json, directory=args.dir)
     if args.dir and "://" in args.dir:
         print(f"error: --dir {args.dir}: bench measures a local path (its disk and read "
               "bounds are local file operations); give a directory on the disk or mounted "

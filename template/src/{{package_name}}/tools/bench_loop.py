@@ -58,6 +58,7 @@ def build_trainer(cfg: Config, task: Task, runtime: Runtime) -> Bench:
     batches = trainer.micro_batches()
     checkpointer.save(0)                           # the start: the checkpoint process
     trainer.train_step(batches)
+    checkpointer.policy.wait_ready(0)              # up before the benchmark's own saves
     return Bench(trainer, checkpointer, batches)
 
 

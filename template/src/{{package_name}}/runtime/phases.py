@@ -1,0 +1,126 @@
+"""Where the seconds of a start go: its phases, marked as they end, logged at the first step.
+
+    phases.mark(Phase.model_built)       # in the start path, once per phase
+    phases.report(previous)              # rank 0, after the first step: the timeline
+
+The timeline of a start, in order (wall-clock times, so that a phase that ended in
+another process still counts):
+
+    failure_detected   the previous start's failure was first recorded (a rank's crash,
+                       hang or exit record; none after a clean stop)
+    workers_stopped    the last rank of the previous start had ended (its exit record)
+    process_started    this worker process began (the kernel's start time)
+    imports_done       the command's modules are imported (torch among them)
+    rendezvous_done    the process group is up: every rank of this start has arrived
+    model_built        the task's model, data and optimizer are built
+    checkpoint_chosen  rank 0 has picked the checkpoint to load (or found none)
+    loaded             the checkpoint is loaded into the model and optimizer
+    first_step         the first optimizer step of this start is done
+    checkpoint_process_ready   the background checkpoint process is up: off the path to
+                       the first step (it starts while the first steps train), logged by
+                       the save policy when the first save waits for it, with the
+                       seconds since it was started and ``off_the_path: true``
+
+Each ``phase`` event in metrics.jsonl carries the phase, its time ``at`` and
+``duration_s``, the time since the phase before it that was recorded. A start after a
+clean stop has no failure phases; ``resume --dry-run`` and ``plan`` print the newest
+start's breakdown (``breakdown``).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import time
+from typing import Any
+
+_IMPORTED_AT = time.time()   # a stand-in for the process start where /proc is missing
+
+
+class Phase(str, enum.Enum):
+    failure_detected = "failure_detected"
+    workers_stopped = "workers_stopped"
+    process_started = "process_started"
+    imports_done = "imports_done"
+    rendezvous_done = "rendezvous_done"
+    model_built = "model_built"
+    checkpoint_chosen = "checkpoint_chosen"
+    loaded = "loaded"
+    first_step = "first_step"
+    checkpoint_process_ready = "checkpoint_process_ready"
+
+
+ORDER = list(Phase)
+_marks: dict[Phase, float] = {}
+
+
+def mark(phase: Phase, at: float | None = None) -> None:
+    """Record that ``phase`` ended now (or at ``at``); the first mark of a phase counts."""
+    _marks.setdefault(phase, time.time() if at is None else at)
+
+
+def process_start_time() -> float:
+    """When this process began, from the kernel (Linux: its start in clock ticks after
+    boot, against the time since boot now), else when this module was imported."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat", encoding="ascii") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime", encoding="ascii") as handle:
+            uptime = float(handle.read().split()[0])
+        now = time.time()
+        started_after_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")   # stat(5) field 22
+        return now - (uptime - started_after_boot)
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT
+
+
+def timeline(previous: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """This start's phases in order, each with ``at`` and ``duration_s`` (from the phase
+    before it). ``previous`` is the previous start's cause (recovery.attempts.cause): its
+    failure and the end of its last rank come first."""
+    marks = dict(_marks)
+    marks.setdefault(Phase.process_started, process_start_time())
+    if previous is not None and previous.get("failed_at"):
+        marks[Phase.failure_detected] = previous["failed_at"]
+        if previous.get("stopped_at"):
+            marks[Phase.workers_stopped] = max(previous["stopped_at"], previous["failed_at"])
+    rows, before = [], None
+    for phase in ORDER:
+        if phase not in marks:
+            continue
+        at = marks[phase]
+        rows.append({"phase": phase.value, "at": round(at, 3),
+                     "duration_s": round(at - before, 3) if before is not None else None})
+        before = at
+    return rows
+
+
+def newest_timeline(log_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The phase events of the newest start that reached its first step (metrics.jsonl)."""
+    from .metrics import Event, read_events
+
+    events, _ = read_events(log_dir, Event.phase)
+    firsts = [e for e in events if e.get("phase") == Phase.first_step.value]
+    if not firsts:
+        return []
+    last = firsts[-1]
+    return [e for e in events if e.get("step") == last.get("step")
+            and e.get("restart") == last.get("restart") and abs(e["time"] - last["time"]) < 1
+            and not e.get("off_the_path")]
+
+
+def breakdown(rows: list[dict[str, Any]]) -> str:
+    """The phases of one start as a few lines of text (``resume --dry-run``, ``plan``)."""
+    if not rows:
+        return "no start has recorded its phases yet"
+    first = rows[0]["at"]
+    lines = [f"  {'phase':<26} {'took':>8} {'since ' + rows[0]['phase']:>24}"]
+    for row in rows:
+        took = "" if row["duration_s"] is None else f"{row['duration_s']:.2f} s"
+        lines.append(f"  {row['phase']:<26} {took:>8} {row['at'] - first:>22.2f} s")
+    return "\n".join(lines)
+
+
+def reset() -> None:
+    """Forget the marks (a test, or a benchmark that starts the path again in-process)."""
+    _marks.clear()

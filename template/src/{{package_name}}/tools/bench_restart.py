@@ -1,0 +1,219 @@
+"""``bench --restart``: how long a restart takes, phase by phase, on this configuration.
+
+    python -m <package>.bench --restart [--repeats 5] [--nproc N] [--json] [key=value ...]
+
+Each repeat runs the real thing in a scratch directory, with this project's own
+``resume`` (launcher, torchrun, the trainer, the checkpointer):
+
+1. **a stopped job**: ``resume`` is launched on the checkpoints of the repeat before (the
+   first repeat trains until its first checkpoint commits); seconds from the launch to
+   the first step of the new start;
+2. **a worker's death**: once that start has trained past a committed checkpoint, one
+   worker (rank 1, or rank 0 with one process) is killed with SIGKILL; torchrun restarts
+   the workers in place; seconds from the kill to the first new step;
+3. the job is stopped as a preemption would stop it (SIGTERM to ``resume``).
+
+It prints the median of each over ``--repeats`` and the median of every phase of those
+starts (``runtime/phases.py``), with the load average before and after. Not a timed
+test: a figure, measured on the machine it runs on. Exit status 0, 1 when a start did
+not reach its first step in time (the scratch logs say why), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import PACKAGE
+from ..config import Config
+from ..recovery.attempts import read_records
+from ..runtime import exit_codes
+from ..runtime.metrics import Event, read_events
+from ..runtime.phases import ORDER, Phase
+
+START_TIMEOUT_S = 300.0   # a start that has not trained a step by then failed
+STOP_TIMEOUT_S = 120.0    # a stopped job that has not exited by then is killed
+
+
+class RestartFailed(RuntimeError):
+    """A start did not reach its first step in time; the message says where to look."""
+
+
+def run(cfg: Config, overrides: list[str], *, repeats: int, nproc: int, scratch: Path,
+        say=print) -> dict[str, Any]:
+    """The restart figures of this configuration: ``repeats`` stopped-job resumes and
+    worker kills, their medians and their phases' medians."""
+    ckpt, logs = scratch / "checkpoints", scratch / "logs"
+    args = [*overrides, f"checkpoint.dir={ckpt}", f"log.dir={logs}", "train.max_steps=100000000",
+            "log.trackers=[]"]
+    load_before = os.getloadavg()
+    resumes: list[dict[str, Any]] = []
+    kills: list[dict[str, Any]] = []
+    for cycle in range(repeats + 1):   # the first trains from nothing: not a resume
+        launched = time.time()
+        proc = _launch(nproc, args, scratch / f"resume-{cycle}.log")
+        try:
+            first = _phases_after(logs, launched, restart=0, proc=proc)
+            _wait_for_a_checkpoint(ckpt, after=launched, proc=proc)
+            killed_rank = 1 if nproc > 1 else 0
+            pid = _worker_pid(logs, killed_rank, launched)
+            killed = time.time()
+            os.kill(pid, signal.SIGKILL)
+            second = _phases_after(logs, killed, restart=None, proc=proc)
+        finally:
+            _stop(proc)
+        resumed = cycle > 0
+        if resumed:
+            resumes.append(_figure(first, launched, "launched"))
+        if len(kills) < repeats:
+            kills.append(_figure(second, killed, "killed"))
+        say(f"  {'start' if not resumed else f'repeat {cycle}'}: "
+            + (f"stopped job -> first step {resumes[-1]['seconds']:.2f} s, " if resumed
+               else "from nothing, ")
+            + f"worker killed -> first new step {_figure(second, killed, 'killed')['seconds']:.2f} s")
+    return {
+        "nproc": nproc,
+        "repeats": repeats,
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "stopped_job_to_first_step_s": _median([r["seconds"] for r in resumes]),
+        "worker_death_to_first_step_s": _median([k["seconds"] for k in kills]),
+        "stopped_job_phases_s": _median_phases(resumes),
+        "worker_death_phases_s": _median_phases(kills),
+        "samples": {"stopped_job": [round(r["seconds"], 3) for r in resumes],
+                    "worker_death": [round(k["seconds"], 3) for k in kills]},
+    }
+
+
+def text(report: dict[str, Any]) -> str:
+    lines = [(f"restart figures, median of {report['repeats']} ({report['nproc']} rank(s); "
+             f"load average {report['load_average_before'][0]:.2f} before, "
+             f"{report['load_average_after'][0]:.2f} after):"),
+             (f"  stopped job: resume launched -> first step   "
+             f"{_fmt(report['stopped_job_to_first_step_s'])} s"),
+             (f"  worker killed -> first new step              "
+             f"{_fmt(report['worker_death_to_first_step_s'])} s")]
+    for title, key in (("stopped job", "stopped_job_phases_s"),
+                       ("worker killed", "worker_death_phases_s")):
+        lines.append(f"phases after '{title}' (median seconds each took):")
+        lines += [f"  {name:<26} {_fmt(seconds):>7} s" for name, seconds in report[key].items()]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------- pieces --
+def _launch(nproc: int, args: list[str], log: Path) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", f"{PACKAGE}.resume",
+                                 "--nproc-per-node", str(nproc), *args],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _phases_after(logs: Path, since: float, restart: int | None,
+                  proc: subprocess.Popen) -> list[dict[str, Any]]:
+    """The phase events of the first start after ``since`` that reached its first step."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        events, _ = read_events(logs, Event.phase, since=since)
+        done = [e for e in events if e["phase"] == Phase.first_step.value
+                and (restart is None or e.get("restart") == restart)]
+        if done:
+            step = done[0]["step"]
+            return [e for e in events if e.get("step") == step
+                    and e.get("restart") == done[0].get("restart")]
+        if proc.poll() is not None:
+            raise RestartFailed(f"resume exited with status {proc.returncode} before its "
+                                f"first step (see {logs})")
+        time.sleep(0.05)
+    raise RestartFailed(f"no first step within {START_TIMEOUT_S:g} s (see {logs})")
+
+
+def _wait_for_a_checkpoint(ckpt: Path, after: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if any(p.stat().st_mtime >= after for p in ckpt.glob("step_*/commit.json")):
+            return
+        if proc.poll() is not None:
+            raise RestartFailed(f"resume exited with status {proc.returncode} before its "
+                                f"first checkpoint (see {ckpt})")
+        time.sleep(0.05)
+    raise RestartFailed(f"no checkpoint committed within {START_TIMEOUT_S:g} s")
+
+
+def _worker_pid(logs: Path, rank: int, since: float) -> int:
+    for record in read_records(logs):
+        if (record.get("rank") == rank and record.get("state") == "running"
+                and record.get("started", 0) >= since - 1):
+            return int(record["pid"])
+    raise RestartFailed(f"no running worker of rank {rank} in {logs}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End the job as a preemption does (SIGTERM); kill what is left after a bound."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _figure(events: list[dict[str, Any]], began: float, origin: str) -> dict[str, Any]:
+    """Seconds from ``began`` to the first step, and each phase's seconds (the first
+    measured from ``began`` when it came after it)."""
+    rows = sorted(events, key=lambda e: ORDER.index(Phase(e["phase"])))
+    phases, before = {}, None
+    for row in rows:
+        if row["at"] < began - 0.5:   # the failure's own records, before the kill
+            continue
+        phases[row["phase"]] = row["at"] - (before if before is not None else began)
+        before = row["at"]
+    first = next(e["at"] for e in rows if e["phase"] == Phase.first_step.value)
+    return {"seconds": first - began, "phases": {f"{origin} -> " + k if i == 0 else k: v
+                                                 for i, (k, v) in enumerate(phases.items())}}
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def _median_phases(figures: list[dict[str, Any]]) -> dict[str, float | None]:
+    names: list[str] = []
+    for figure in figures:
+        names += [n for n in figure["phases"] if n not in names]
+    return {name: _median([f["phases"][name] for f in figures if name in f["phases"]])
+            for name in names}
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def main(cfg: Config, overrides: list[str], *, repeats: int, nproc: int, as_json: bool,
+         directory: str | None) -> int:
+    if "WORLD_SIZE" in os.environ:
+        print("error: bench --restart launches its own jobs: run it with python -m "
+              f"{PACKAGE}.bench --restart, not under torchrun", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    scratch = Path(directory or tempfile.mkdtemp(prefix="bench-restart-"))
+    say = (lambda *a, **k: None) if as_json else print
+    say(f"restart benchmark: {repeats} repeat(s) on {nproc} rank(s), scratch {scratch}")
+    try:
+        report = run(cfg, overrides, repeats=repeats, nproc=nproc, scratch=scratch, say=say)
+    except RestartFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exit_codes.FAILED
+    if directory is None:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(json.dumps(report) if as_json else text(report))
+    return exit_codes.OK
