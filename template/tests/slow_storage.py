@@ -82,7 +82,8 @@ def main() -> None:
     checkpointer.save(0)                   # the start: the checkpoint process
     trainer.train_step(batches)            # the optimizer has state now
     state = trainer.state()
-    failure = manager.warm_up(state, 120, str(root / "checkpoint-process.log"))
+    failure = (manager.warm_up(state, 120, str(root / "checkpoint-process.log"))
+               or manager.wait_ready())
     assert failure is None, failure
 
     # One save: how long the call and the staging take, whether it is committed yet.

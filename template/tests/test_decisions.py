@@ -56,6 +56,7 @@ class FakeManager:
         self._failing = False
         self.prestaged = 0
         self.warmed = 0
+        self.readied = 0
         self.abandoned = False
         self.closed = False
         self.slow = False   # a save in flight is still being written: only wait() ends it
@@ -68,6 +69,9 @@ class FakeManager:
 
     def warm_up(self, state, timeout_s, process_log=None):
         self.warmed += 1
+
+    def wait_ready(self):
+        self.readied += 1
 
     def prestage(self, state) -> None:
         self.prestaged += 1

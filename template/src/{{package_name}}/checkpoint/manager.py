@@ -118,6 +118,7 @@ class CheckpointManager:
         self._inflight: _InFlight | None = None
         self._prestaging: Future | None = None   # buffers being allocated (``prestage``)
         self._starting: Future | None = None     # the checkpoint process starting (``warm_up``)
+        self._started = False
         self._ready_by = 0.0
         self._start_timeout_s = 0.0
         # Held by a commit in DCP's upload thread and by ``abandon``: once a save is given
@@ -146,7 +147,8 @@ class CheckpointManager:
         try:
             if self._stager is not None and state is not None:  # buffers, cached by tensor
                 self._prestaging = self._stage(state)
-            if self.mode == AsyncMode.process:
+            if self.mode == AsyncMode.process and not self._started:
+                self._started = True   # once: a second start would race DCP's own
                 self._starting = start_checkpoint_process(process_log)
                 self._ready_by = time.perf_counter() + timeout_s
                 self._start_timeout_s = timeout_s

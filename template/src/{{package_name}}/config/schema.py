@@ -126,7 +126,7 @@ class CheckpointConfig:
     interval_steps: int = 100
     keep_last: int = 3
     async_mode: AsyncMode = AsyncMode.process
-    verify: VerifyMode = VerifyMode.all   # checksums checked before a checkpoint is loaded
+    verify: VerifyMode = VerifyMode.all   # checksums checked as a checkpoint is loaded
     on_error: OnSaveError = OnSaveError.keep
     max_failed_saves: int = 3       # failed saves in a row before training stops (on_error: keep)
     wait_timeout_s: float = 600.0   # longest wait for a save in flight before giving it up

@@ -15,8 +15,9 @@ them alike):
 - ``disk_bound``: every rank writes and fsyncs as many bytes as its shard, in parallel;
 - ``baseline``: gather the full state on rank 0, ``torch.save`` it and fsync (the
   common way); ``dcp_sync``: a plain ``dcp.save``;
-- ``load``: load the newest checkpoint through the resume path (``CheckpointManager.load``)
-  and ``verify``: rank 0's checksum check before it; ``read_bound``: every rank reads
+- ``load``: load the newest checkpoint through the resume path (``CheckpointManager.load``,
+  its checksums checked as it reads); ``verify``: a checksum pass of its own on rank 0
+  (what ``verify`` does; no longer on the resume path); ``read_bound``: every rank reads
   the bytes of its own shard; ``baseline_load``: rank 0 ``torch.load`` and a broadcast.
   The checkpoint's files are dropped from the page cache first, as on a fresh machine;
 - ``stall``: in a training loop (the trainer's step, the save policy), the median time

@@ -32,7 +32,7 @@ def report_text(r: dict) -> str:
         ("rank-0 gather + torch.save", "baseline"),
         ("dcp.save (parallel shards)", "dcp_sync"),
         ("load through the resume path", "load"),
-        ("  its checksum check (rank 0)", "verify"),
+        ("  a checksum pass alone (rank 0)", "verify"),
         ("read bound (each rank its shard)", "read_bound"),
         ("rank-0 torch.load + broadcast", "baseline_load"),
         ("stall in the training loop", "stall"),

@@ -179,8 +179,8 @@ def _figure(events: list[dict[str, Any]], began: float, origin: str) -> dict[str
         phases[row["phase"]] = row["at"] - (before if before is not None else began)
         before = row["at"]
     first = next(e["at"] for e in rows if e["phase"] == Phase.first_step.value)
-    return {"seconds": first - began, "phases": {f"{origin} -> " + k if i == 0 else k: v
-                                                 for i, (k, v) in enumerate(phases.items())}}
+    named = {f"{origin} -> " + k if i == 0 else k: v for i, (k, v) in enumerate(phases.items())}
+    return {"seconds": first - began, "phases": named}
 
 
 def _median(values: list[float]) -> float | None:
