@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import torchrun
+from conftest import run_module, torchrun
 
 TINY = ["model.d_model=32", "model.n_layers=1"]
 FIGURES = ("baseline", "dcp_sync", "disk_bound", "async_blocking", "async_commit",
@@ -43,3 +43,26 @@ def test_bench_train_steps_prints_the_throughput_ratio():
     assert report["samples_per_s"]["with"] > 0 and report["samples_per_s"]["without"] > 0
     assert 0 < report["throughput_ratio"] < 10
     assert report["failed_saves"] == 0
+
+
+@pytest.mark.slow
+def test_bench_restart_times_a_resume_and_a_killed_worker_with_their_phases():
+    proc = run_module("bench", "--restart", "--repeats", "1", "--json", *TINY, timeout=400)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["nproc"] == 2 and report["repeats"] == 1
+    assert 0 < report["stopped_job_to_first_step_s"] < 120
+    assert 0 < report["worker_death_to_first_step_s"] < 120
+    resumed, killed = report["stopped_job_phases_s"], report["worker_death_phases_s"]
+    assert next(iter(resumed)) == "launched -> process_started"
+    assert next(iter(killed)) == "killed -> failure_detected"
+    for phases in (resumed, killed):
+        assert list(phases)[-3:] == ["checkpoint_chosen", "loaded", "first_step"]
+    # Each figure is the sum of its phases (the first counted from the launch or kill).
+    assert abs(sum(resumed.values()) - report["stopped_job_to_first_step_s"]) < 0.05
+
+
+def test_bench_restart_is_refused_under_torchrun(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    proc = run_module("bench", "--restart", check=False)
+    assert proc.returncode == 2 and "not under torchrun" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -42,6 +42,7 @@ from ..runtime.phases import ORDER, Phase
 
 START_TIMEOUT_S = 300.0   # a start that has not trained a step by then failed
 STOP_TIMEOUT_S = 120.0    # a stopped job that has not exited by then is killed
+INTERVAL_STEPS = 10       # unless given: a checkpoint to resume from within seconds
 
 
 class RestartFailed(RuntimeError):
@@ -53,8 +54,10 @@ def run(cfg: Config, overrides: list[str], *, repeats: int, nproc: int, scratch:
     """The restart figures of this configuration: ``repeats`` stopped-job resumes and
     worker kills, their medians and their phases' medians."""
     ckpt, logs = scratch / "checkpoints", scratch / "logs"
-    args = [*overrides, f"checkpoint.dir={ckpt}", f"log.dir={logs}", "train.max_steps=100000000",
-            "log.trackers=[]"]
+    # A checkpoint soon (yours if you set checkpoint.interval_steps), no trackers; the
+    # scratch directories and an end that never comes are the benchmark's.
+    args = [f"checkpoint.interval_steps={INTERVAL_STEPS}", "log.trackers=[]", *overrides,
+            f"checkpoint.dir={ckpt}", f"log.dir={logs}", "train.max_steps=100000000"]
     load_before = os.getloadavg()
     resumes: list[dict[str, Any]] = []
     kills: list[dict[str, Any]] = []
