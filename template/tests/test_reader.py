@@ -79,8 +79,10 @@ def test_the_reader_loads_what_dcps_own_reader_loads(run_dirs, nproc):
     assert_identical(load_everything(directory, ours(directory, checked=False)), reference)
 
 
-def test_a_damaged_byte_is_found_by_the_load_itself(tmp_path, ckpt):
-    """No pass before the load: the candidates are not read, the load finds the damage."""
+@pytest.mark.parametrize("where", ["tensor data", "a record's header"])
+def test_a_damaged_byte_is_found_by_the_load_itself(tmp_path, ckpt, where):
+    """No pass before the load: the candidates are not read, the load finds the damage,
+    and names it as damage even when the damaged record cannot even be parsed."""
     layout, storage_mod = ckpt
     manager_mod = project_module("checkpoint.manager")
     integrity = project_module("checkpoint.integrity")
@@ -90,7 +92,7 @@ def test_a_damaged_byte_is_found_by_the_load_itself(tmp_path, ckpt):
              no_dist=True)
     directory = Path(layout.commit(storage, 4, {"world_size": 1}).path)
     shard = directory / "__0_0.distcp"
-    flip_one_byte(shard, shard.stat().st_size // 2)
+    flip_one_byte(shard, shard.stat().st_size // 2 if where == "tensor data" else 1)
     manager = manager_mod.CheckpointManager(
         storage, mode="sync", keep_last=2, is_coordinator=True, device=torch.device("cpu"))
     (candidate,) = list(manager.candidates())   # sizes fit: not skipped before the load
@@ -100,10 +102,16 @@ def test_a_damaged_byte_is_found_by_the_load_itself(tmp_path, ckpt):
         with pytest.raises(integrity.ChecksumMismatch, match=r"__0_0\.distcp does not match "
                            r"its checksum: bytes 0-[\d,]+ have crc32"):
             manager.load(target, candidate)
-        # checkpoint.verify=none reads the same bytes unchecked: the damage goes through.
+        # checkpoint.verify=none reads the same bytes unchecked: the damage goes through,
+        # or breaks the record as something else.
         manager.verify = "none"
-        manager.load(target, candidate)
-    assert not torch.equal(target["w"], state["w"])
+        if where == "tensor data":
+            manager.load(target, candidate)
+            assert not torch.equal(target["w"], state["w"])
+        else:
+            with pytest.raises(Exception) as failure:   # any error, but not damage
+                manager.load(target, candidate)
+            assert not isinstance(failure.value, integrity.ChecksumMismatch)
 
 
 def test_checkpoints_of_earlier_versions_still_load(tmp_path, ckpt, monkeypatch):
