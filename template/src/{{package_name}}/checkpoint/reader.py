@@ -11,10 +11,9 @@ changes how the bytes arrive:
 - the records a rank needs are read in file order, by one thread per file, up to
   ``READ_THREADS`` files at once; each thread runs ahead of the loading thread by at
   most ``AHEAD_BYTES`` (or one record, when a record is larger);
-- when commit.json has checksums, a thread reads whole checksum blocks, and the loading
-  thread checks each block as it completes (``integrity.StreamCheck``), while the reading
-  thread waits on the storage: the bytes are checked by the read that loads them, not by
-  a pass of their own before it;
+- when commit.json has checksums, a thread reads whole checksum blocks and checks each
+  block as it completes (``integrity.StreamCheck``): the bytes are checked by the read
+  that loads them, not by a pass of their own before it;
 - the loading thread deserialises each record from memory and copies it into the model
   while the next records are read; ``torch.load`` (weights only) runs once per distinct
   tensor layout, not once per tensor (``_Layouts``).
@@ -93,18 +92,10 @@ class OneReadMixin:
                                     thread_name_prefix="checkpoint-read") as pool:
                 pipes, layouts = [_Pipe() for _ in files], _Layouts()
                 for name, pipe in zip(files, pipes):
-                    span = self._span(name, per_file[name])
-                    pipe.check = self.expected.stream(name, span[1]) if self.expected else None
-                    pipe.future = pool.submit(self._read_file, name, span, pipe)
+                    pipe.future = pool.submit(self._read_file, name, per_file[name], pipe)
                 try:
                     for pipe in pipes:
                         for items, data in pipe:
-                            # Checked here, not in the reading thread: the checksum runs
-                            # while that thread waits for the next bytes from the storage.
-                            if pipe.check is not None:
-                                pipe.check.update(data)
-                            if items is None:   # bytes read only to complete a block
-                                continue
                             try:
                                 _load_record(items, data, planner, layouts)
                             except Exception as exc:  # noqa: BLE001 - re-raised below
@@ -118,38 +109,35 @@ class OneReadMixin:
         done.set_result(None)
         return done
 
-    def _span(self, name: str, items: list[ReadItem]) -> tuple[dict, int, int]:
-        """The records ``items`` need (by offset), and the bytes to read: from the first
-        to the last, widened to whole checksum blocks when the checksums are checked."""
+    def _read_file(self, name: str, items: list[ReadItem], pipe: _Pipe) -> None:
+        """In a reading thread: the records ``items`` need, in file order, into ``pipe``."""
         records: dict[int, list[ReadItem]] = {}
         for item in items:
             records.setdefault(self.storage_data[item.storage_index].offset, []).append(item)
-        first, last = min(records), max(records)
-        begin, end = first, last + self.storage_data[records[last][0].storage_index].length
-        if self.expected is not None and name in self.expected.crcs:
+        order = sorted(records)
+        last = self.storage_data[records[order[-1]][0].storage_index]
+        begin, end = order[0], last.offset + last.length
+        check = None
+        if self.expected is not None:
             block = self.expected.block_bytes
             begin -= begin % block
-            end = min(self.expected.sizes[name], -(-end // block) * block)
-        return records, begin, end
-
-    def _read_file(self, name: str, span: tuple[dict, int, int], pipe: _Pipe) -> None:
-        """In a reading thread: the records of ``span``, in file order, into ``pipe``, with
-        the bytes between them when they are checked (``pipe.check``)."""
-        records, begin, end = span
-        gaps = pipe.check is not None
+            check = self.expected.stream(name, begin)
+            if check is not None:
+                end = min(check.size, -(-end // block) * block)
         try:
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
                 stream.seek(begin)
                 position = begin
-                for offset in sorted(records):
+                for offset in order:
                     info = self.storage_data[records[offset][0].storage_index]
-                    if not _skip(stream, position, offset, pipe if gaps else None):
-                        return
+                    position = _skip(stream, position, offset, check)
                     data = _read_exactly(stream, info.length, name, offset)
-                    position = offset + len(data)
+                    if check is not None:
+                        check.update(data)
+                    position += len(data)
                     if not pipe.put(records[offset], data):
                         return   # the load gave up
-                _skip(stream, position, end, pipe if gaps else None)
+                _skip(stream, position, end, check)
         except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
             pipe.fail(exc)
         finally:
@@ -266,20 +254,18 @@ class _BufferFile(io.RawIOBase):
         return count
 
 
-def _skip(stream: Any, position: int, to: int, pipe: _Pipe | None) -> bool:
-    """Move from ``position`` to ``to``; with a ``pipe``, read the bytes between into it
-    (to be checked, not loaded). False when the load gave up."""
+def _skip(stream: Any, position: int, to: int, check: Any) -> int:
+    """Move from ``position`` to ``to``: read the bytes between when they are checked."""
     if to <= position:
-        return True
-    if pipe is None:
+        return position
+    if check is None:
         stream.seek(to)
-        return True
+        return to
     while position < to:
         data = _read_exactly(stream, min(GAP_READ_BYTES, to - position), "", position)
-        if not pipe.put(None, data):
-            return False
+        check.update(data)
         position += len(data)
-    return True
+    return position
 
 
 def _read_exactly(stream: Any, length: int, name: str, offset: int) -> bytearray:
@@ -308,15 +294,14 @@ class _Pipe:
     """
 
     def __init__(self) -> None:
-        self._records: deque[tuple[list[ReadItem] | None, bytearray]] = deque()
+        self._records: deque[tuple[list[ReadItem], bytearray]] = deque()
         self._held = 0
         self._closed = self._cancelled = False
         self._error: BaseException | None = None
         self._ready = threading.Condition()
         self.future: Future | None = None
-        self.check: Any = None   # the file's StreamCheck, updated by the loading thread
 
-    def put(self, items: list[ReadItem] | None, data: bytearray) -> bool:
+    def put(self, items: list[ReadItem], data: bytearray) -> bool:
         with self._ready:
             while self._held and self._held + len(data) > AHEAD_BYTES and not self._cancelled:
                 self._ready.wait()
@@ -344,18 +329,17 @@ class _Pipe:
             self._ready.notify_all()
 
     def mismatch_after(self) -> ChecksumMismatch | None:
-        """Check the rest of the file (bounded by its size) for a checksum that fails."""
+        """Read the rest of the file (bounded by its size) for a checksum that fails."""
         try:
-            for _, data in self:
-                if self.check is not None:
-                    self.check.update(data)
+            for _ in self:
+                pass
         except ChecksumMismatch as exc:
             return exc
         except Exception:  # noqa: BLE001 - the caller's own error is the one to raise
             return None
         return None
 
-    def __iter__(self) -> Iterator[tuple[list[ReadItem] | None, bytearray]]:
+    def __iter__(self) -> Iterator[tuple[list[ReadItem], bytearray]]:
         while True:
             with self._ready:
                 while not self._records and not self._closed and self._error is None:
