@@ -6,8 +6,10 @@ metadata file once all shards are written, and only then commits. In ``process``
 caller must call ``wait_staged`` before it changes parameters again (the optimizer
 step), and ``poll`` at every step so that a finished save is committed promptly.
 
-(A little over 400 lines: saving, committing and abandoning a save share the in-flight
-state and its lock, and are easiest to check side by side.)
+(About 500 lines: saving, committing and abandoning a save share the in-flight state
+and its lock, and are easiest to check side by side; starting the background process and
+the staging buffers, and the load, use the same storage, stager and verify setting. The
+reading itself is in ``reader.py``.)
 """
 
 from __future__ import annotations

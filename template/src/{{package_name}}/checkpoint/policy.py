@@ -106,9 +106,12 @@ class SavePolicy:
         return step == self.final_step or step % self.interval_steps == 0
 
     def warm_up(self, timeout_s: float, *, stage: bool, process_log: str | None = None) -> None:
-        """Start the background checkpoint process before the first step (all ranks).
+        """Start the background checkpoint process before the first step (all ranks);
+        ``wait_ready`` waits for it before the first save, so the first steps train while
+        it starts.
 
-        ``stage`` also allocates the staging buffers, from the state as it is: only once
+        ``stage`` also fills the staging buffers, in the background, from the state as it
+        is: only once
         the optimizer has state (after a resume), since asking an optimizer without state
         for its state dict initialises it with a step of its own.
         """
