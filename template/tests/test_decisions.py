@@ -73,6 +73,9 @@ class FakeManager:
     def wait_ready(self):
         self.readied += 1
 
+    def give_up_start(self):
+        self.gave_up_start = True
+
     def prestage(self, state) -> None:
         self.prestaged += 1
 
@@ -621,3 +624,32 @@ def test_the_heartbeat_survives_any_error_and_lets_go_once_the_lease_could_go_st
     finally:
         failing["on"] = False
         first.release()
+
+
+def test_the_checkpoint_process_is_waited_for_by_the_first_save_not_by_a_stop(
+        tmp_path, nothing_to_resume):
+    """It starts while the first steps train; the first due save waits for it. A stop
+    saves synchronously without it, and the end leaves a start still under way behind."""
+    manager, boundary = FakeManager(), FakeBoundary()
+    checkpointer = make_checkpointer(tmp_path, manager=manager, boundary=boundary)
+    checkpointer.load(FakeTraining())
+    checkpointer.save(0)
+    assert manager.warmed == 1 and manager.readied == 0       # started, not waited for
+    for step in (1, 2, 3):
+        checkpointer.save(step)
+    assert manager.readied == 0 and manager.saves == []
+    checkpointer.save(4)                                       # due: waits, then saves
+    assert manager.readied == 1 and manager.saves == [(4, "interval", False)]
+    checkpointer.save(5)
+    assert manager.readied == 1                                # once
+
+    manager, boundary = FakeManager(), FakeBoundary()
+    checkpointer = make_checkpointer(tmp_path, manager=manager, boundary=boundary)
+    checkpointer.load(FakeTraining())
+    checkpointer.save(0)
+    boundary.stop_at = time.time()
+    decision = checkpointer.save(1)                            # a stop before any save
+    assert decision.stop and manager.readied == 0
+    assert manager.saves == [(1, "preemption", True)]          # synchronous, no process
+    checkpointer.close(1, decision)
+    assert manager.readied == 0 and getattr(manager, "gave_up_start", False)

@@ -178,6 +178,13 @@ class CheckpointManager:
             return self.record_failure(None, exc, "the background checkpoint process did not start")
         return None
 
+    def give_up_start(self) -> None:
+        """The run ends before any save needed the checkpoint process: a start still under
+        way is left to the process exit (its thread could wait long for a peer)."""
+        starting, self._starting = self._starting, None
+        if starting is not None and not starting.done():
+            self._abandoned = True
+
     def prestage(self, state: dict[str, Any]) -> None:
         """Allocate the staging buffers now, copying ``state`` into them in the background.
 

@@ -164,7 +164,7 @@ class SavePolicy:
         with self.allowance(False) if due else contextlib.nullcontext():
             waited = self._finish_previous(boundary) if due else 0.0
             vote = boundary.vote(failed_saves=self.manager.failed_saves)
-        if (due or vote.stop_at is not None) and self._starting:
+        if due and self._starting:   # a stop saves synchronously: it needs no process
             with self.allowance(False):
                 self.wait_ready(step)
         if vote.stop_at is not None:   # preemption: one more reason to save, now
@@ -239,7 +239,9 @@ class SavePolicy:
 
     def finish(self, boundary: StepBoundary) -> None:
         """At the end of the run: commit the save in flight (bounded) and release the buffers."""
-        self.wait_ready(self.progress_step())
+        if self._starting:   # stopped before any save needed the checkpoint process
+            self._starting = False
+            self.manager.give_up_start()
         self._finish_previous(boundary, stop_ends_wait=False)
         self._report(self.manager.close())
 
