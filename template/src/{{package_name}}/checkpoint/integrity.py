@@ -152,7 +152,6 @@ class StreamCheck:
             raise ValueError(f"a checked read starts at a block boundary, not at {start}")
         self.file_name, self.recorded, self.block, self.size = file_name, recorded, block, size
         self.position, self.crc = start, 0
-        self.checked_bytes = 0
 
     def update(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
@@ -172,7 +171,6 @@ class StreamCheck:
                     raise ChecksumMismatch(mismatch(
                         self.file_name, begin, end - begin, self.crc,
                         self.recorded[index] if index < len(self.recorded) else "nothing"))
-                self.checked_bytes += end - begin
                 self.crc = 0
 
 

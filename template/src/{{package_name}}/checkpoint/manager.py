@@ -167,16 +167,15 @@ class CheckpointManager:
             return None
         try:
             starting.result(timeout=max(0.0, self._ready_by - time.perf_counter()))
+            return None
         except futures.TimeoutError:
-            self._abandoned = True
-            return self.record_failure(None, TimeoutError(
+            failure: BaseException = TimeoutError(
                 f"the background checkpoint process did not start within "
-                f"{self._start_timeout_s:g} s (checkpoint.start_timeout_s)"),
-                "the background checkpoint process did not start")
+                f"{self._start_timeout_s:g} s (checkpoint.start_timeout_s)")
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported, then sync
-            self._abandoned = True
-            return self.record_failure(None, exc, "the background checkpoint process did not start")
-        return None
+            failure = exc
+        self._abandoned = True   # a half-started process may still hold a thread
+        return self.record_failure(None, failure, "the background checkpoint process did not start")
 
     def give_up_start(self) -> None:
         """The run ends before any save needed the checkpoint process: a start still under

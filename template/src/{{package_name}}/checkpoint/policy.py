@@ -15,6 +15,9 @@ After a background save has failed on any rank (e.g. DCP's checkpoint process di
 is never restarted), every later save is written synchronously: slower, but checkpoints
 keep coming. Saves failing ``checkpoint.max_failed_saves`` times in a row (once, with
 ``checkpoint.on_error: stop``) stop training with exit status 73: its state is not saved.
+
+(A few lines over 400: the waits for the checkpoint process's start, the save in flight
+and the stop share the bounds and the agreement across ranks kept here.)
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ import io
 import threading
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Any, cast
 
@@ -92,7 +92,7 @@ class OneReadMixin:
                                     thread_name_prefix="checkpoint-read") as pool:
                 pipes, layouts = [_Pipe() for _ in files], _Layouts()
                 for name, pipe in zip(files, pipes):
-                    pipe.future = pool.submit(self._read_file, name, per_file[name], pipe)
+                    pool.submit(self._read_file, name, per_file[name], pipe)
                 try:
                     for pipe in pipes:
                         for items, data in pipe:
@@ -299,7 +299,6 @@ class _Pipe:
         self._closed = self._cancelled = False
         self._error: BaseException | None = None
         self._ready = threading.Condition()
-        self.future: Future | None = None
 
     def put(self, items: list[ReadItem], data: bytearray) -> bool:
         with self._ready:

@@ -34,6 +34,8 @@ import os
 import time
 from typing import Any
 
+from .metrics import Event, read_events
+
 _IMPORTED_AT = time.time()   # a stand-in for the process start where /proc is missing
 
 
@@ -97,8 +99,6 @@ def timeline(previous: dict[str, Any] | None) -> list[dict[str, Any]]:
 
 def newest_timeline(log_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """The phase events of the newest start that reached its first step (metrics.jsonl)."""
-    from .metrics import Event, read_events
-
     events, _ = read_events(log_dir, Event.phase)
     firsts = [e for e in events if e.get("phase") == Phase.first_step.value]
     if not firsts:

@@ -74,15 +74,15 @@ def run(cfg: Config, overrides: list[str], *, repeats: int, nproc: int, scratch:
             second = _phases_after(logs, killed, restart=None, proc=proc)
         finally:
             _stop(proc)
-        resumed = cycle > 0
+        resumed, kill = cycle > 0, _figure(second, killed, "killed")
         if resumed:
             resumes.append(_figure(first, launched, "launched"))
         if len(kills) < repeats:
-            kills.append(_figure(second, killed, "killed"))
+            kills.append(kill)
         say(f"  {'start' if not resumed else f'repeat {cycle}'}: "
             + (f"stopped job -> first step {resumes[-1]['seconds']:.2f} s, " if resumed
                else "from nothing, ")
-            + f"worker killed -> first new step {_figure(second, killed, 'killed')['seconds']:.2f} s")
+            + f"worker killed -> first new step {kill['seconds']:.2f} s")
     return {
         "nproc": nproc,
         "repeats": repeats,
