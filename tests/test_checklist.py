@@ -83,8 +83,11 @@ def f0(x: float) -> str:
     return "%.0f" % x  # noqa: UP031
 
 
-def expected_rows(plan: dict) -> dict[str, list[str]]:
+def expected_rows(plan: dict, plan_r: dict) -> dict[str, list[str]]:
+    """plan: run with R_in = 0; plan_r: without R_in (R_in = R), as the two-tier figures are."""
     i, c = plan["inputs"], plan["badput_components_percent"]
+    two, two_r = plan["two_tier"], plan_r["two_tier"]
+    shards = two["memory_shards_per_rank"]
     n, n_max, bound = (plan["interval_steps"], plan["max_interval_steps_for_target"],
                        plan["simple_bound_max_interval_steps"])
     return {
@@ -108,6 +111,20 @@ def expected_rows(plan: dict) -> dict[str, list[str]]:
         "2(target·M − δ)/T": [] if bound is None else [str(bound)],
         "c": [g(i["crash_share"])],
         "c(R − R_in)/M": [f2(plan["in_place_saving_percent"])],   # plan run with R_in = 0
+        # Two tiers: copy time takes δ_m = δ, L_m = δ_m, ν = 0.2 and R_in = R.
+        "δ_m": [g(two["memory_blocking_seconds"])],
+        "L_m": [g(two["memory_commit_latency_seconds"])],
+        "ν": [g(i["node_loss_share"])],
+        "a": [g(two["memory_share"])],
+        "B1(N·T)": [f2(two_r["badput_without_memory_percent"])],
+        "N_m": [str(two["optimal_memory_interval_steps"]),
+                f1(two["optimal_memory_interval_seconds"])],
+        "N_d": [str(two["optimal_durable_interval_steps"]),
+                f1(two["optimal_durable_interval_seconds"])],
+        "B2(N_d·T, N_m·T)": [f2(two_r["badput_with_memory_percent"])],
+        "K": [str(two_r["recommended_memory_interval_steps"])],
+        "shards": ([str(shards[k]) for k in ("own", "partner", "own_peak", "partner_peak")]
+                   if i["nodes"] >= 2 else [str(shards["own"]), str(shards["own_peak"])]),
     }
 
 
@@ -150,9 +167,12 @@ def project(request, tmp_path_factory):
                     "--badput-target-percent", repr(answers["badput_target_percent"]),
                     "--nodes", str(answers["nodes"]), "--in-place-restart-seconds", "0")
     assert proc.returncode == 0, proc.stderr
+    # Without R_in, as the copy-time two-tier figures (R_in = R, nothing measured).
+    proc_r = run_plan(dst, package, "--json")
+    assert proc_r.returncode == 0, proc_r.stderr
     checklist = (dst / "docs" / "CHECKLIST.md").read_text(encoding="utf-8")
     return {"dst": dst, "answers": answers, "package": package, "plan": json.loads(proc.stdout),
-            "checklist": checklist, "name": name}
+            "plan_r": json.loads(proc_r.stdout), "checklist": checklist, "name": name}
 
 
 def test_checklist_has_no_unrendered_jinja(project):
@@ -167,7 +187,7 @@ def test_checklist_is_in_the_chosen_language(project):
 
 def test_plan_tables_show_plans_numbers(project):
     rows = table_rows(project["checklist"])
-    expected = expected_rows(project["plan"])
+    expected = expected_rows(project["plan"], project["plan_r"])
     assert set(rows) == set(expected)
     for symbol, numbers in expected.items():
         assert NUMBER_REGEX.findall(rows[symbol]) == numbers, (symbol, rows[symbol])
@@ -224,6 +244,7 @@ def test_every_decimal_in_the_checklist_comes_from_the_plan(project):
             known.update({g(value), f1(value), f2(value), f1(value / 60)})
 
     collect(project["plan"])
+    collect(project["plan_r"])
     decimals = set(re.findall(r"(?<![\w.])\d+\.\d+(?![\w.])", project["checklist"]))
     assert decimals <= known, decimals - known
 
@@ -233,7 +254,10 @@ def test_train_yaml_interval_is_plans(project):
     assert config["checkpoint"]["interval_steps"] == project["plan"]["interval_steps"]
     answers = project["answers"]
     # Every answer lands in plan:, beside the planner's own stated assumptions.
-    assert set(config["plan"]) - {"crash_share"} == set(PLAN_KEYS.values())
+    assert set(config["plan"]) - {"crash_share", "node_loss_share"} == set(PLAN_KEYS.values())
+    formulas, _ = load_plan_modules()
+    assert config["plan"]["node_loss_share"] == formulas.NODE_LOSS_SHARE
+    assert config["plan"]["crash_share"] == formulas.CRASH_SHARE
     for answer, key in PLAN_KEYS.items():
         assert config["plan"][key] == answers[answer], key
 
@@ -381,6 +405,36 @@ def test_copy_time_formulas_equal_plan_model_on_random_answers():
         assert {name: getattr(got, name) for name in expected} == expected, answers
         assert got.crash_share == plan.CRASH_SHARE
         assert got.in_place_max_saving_percent == 100 * plan.in_place_saving(p.inputs, 0.0)
+        # Two tiers: δ_m = δ, L_m = δ_m, ν = NODE_LOSS_SHARE, R_in = R (not measured).
+        two = plan.make_two_tier(p)
+        assert got.node_loss_share == p.inputs.node_loss_share == plan.NODE_LOSS_SHARE
+        assert (got.dm, got.lm) == (p.inputs.memory_blocking, p.inputs.memory_commit_latency)
+        failure = {k.kind: k for k in two.failure_kinds}
+        expected = {
+            "memory_share": two.memory_share, "durable_share": two.durable_share,
+            "job_loss_share": plan.job_loss_share(p.inputs),
+            "memory_tau_seconds": two.memory_interval_seconds,
+            "durable_tau_seconds": two.durable_interval_seconds,
+            "memory_interval_steps": two.optimal_memory_interval_steps,
+            "durable_interval_steps": two.optimal_durable_interval_steps,
+            "badput_without_memory": two.badput_without,
+            "badput_with_memory": two.badput_with,
+            "memory_tier_pays": two.pays,
+            "recommended_memory_interval_steps": two.recommended_memory_interval_steps,
+            "recommended_durable_interval_steps": two.recommended_durable_interval_steps,
+            "break_even_memory_blocking_seconds": two.break_even_memory_blocking_seconds,
+            "lost_without": failure["crash"].lost_seconds_without,
+            "lost_memory": failure["crash"].lost_seconds_with,
+            "lost_durable": failure["job_loss"].lost_seconds_with,
+            "lost_node": failure["node_loss"].lost_seconds_with,
+            "memory_shards_own": two.memory_shards["own"],
+            "memory_shards_partner": two.memory_shards["partner"],
+            "memory_shards_own_peak": two.memory_shards["own_peak"],
+            "memory_shards_partner_peak": two.memory_shards["partner_peak"],
+        }
+        assert {name: getattr(got, name) for name in expected} == expected, answers
+        assert (got.badput_without_memory_percent, got.badput_with_memory_percent) \
+            == (100 * two.badput_without, 100 * two.badput_with), answers
         if p.max_interval_steps is not None:
             kinds["reachable"] += 1
         elif p.target_window_seconds is None:
@@ -389,6 +443,40 @@ def test_copy_time_formulas_equal_plan_model_on_random_answers():
             kinds["window between steps"] += 1
     assert min(kinds.values()) >= 3, kinds
     assert {1, 1024} <= nodes_seen, nodes_seen
+
+
+def two_tier_section(checklist: str) -> str:
+    return re.search(r"(?s)### (?:Two tiers: memory and durable|两级检查点：内存与持久存储)\n"
+                     r"(.*?)\n### ", checklist).group(1)
+
+
+def test_two_tier_section_quotes_the_plan(project):
+    """The failure kinds, the verdict and how to turn the memory tier on, from plan's figures."""
+    two, answers = project["plan_r"]["two_tier"], project["answers"]
+    section = two_tier_section(project["checklist"])
+    kinds = {k["kind"]: k for k in two["failure_kinds"]}
+    bullets = [line for line in section.splitlines() if line.startswith("- **")]
+    assert len(bullets) == 3  # crash, node loss, job loss
+    assert NUMBER_REGEX.findall(bullets[0]) == [
+        g(kinds["crash"]["share"]), f1(kinds["crash"]["lost_seconds_with_memory"]),
+        f1(kinds["crash"]["lost_seconds_without_memory"])]
+    # A node loss keeps the partner's copy on 2 nodes or more, and falls back to durable on one.
+    assert kinds["node_loss"]["keeps"] == ("partner_copy" if answers["nodes"] >= 2 else "durable")
+    assert ("partner" in bullets[1] and "durable" not in bullets[1]
+            or "伙伴的副本还在" in bullets[1]) == (answers["nodes"] >= 2)
+    assert NUMBER_REGEX.findall(bullets[2]) == [  # the 1 of 1 − c − ν first
+        "1", g(kinds["job_loss"]["share"]), f1(kinds["job_loss"]["lost_seconds_with_memory"])]
+    verdict = next(line for line in section.splitlines()
+                   if line.startswith(("At your answers", "按你的回答")))
+    if two["memory_tier_pays"]:
+        assert f"checkpoint.memory_interval_steps: {two['optimal_memory_interval_steps']}`" \
+            in verdict
+    else:
+        assert f2(two["break_even_memory_blocking_seconds"]) in verdict
+        assert "--memory-blocking-seconds" in verdict
+    for needed in ("`checkpoint.memory_interval_steps: K`", "`configs/train.yaml`",
+                   "`checkpoint.memory_dir`", "`/dev/shm`"):
+        assert needed in section
 
 
 # ------------------------------------------- grace period against the notice ----

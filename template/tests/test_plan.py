@@ -3,6 +3,7 @@ its text (plan_report) and its command line (plan)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -473,3 +474,229 @@ def test_plot_rejects_other_formats(run_plan, tmp_path):
     code, _, err = run_plan(*flags(), "--plot", str(tmp_path / "b.jpg"))
     assert code == 2
     assert "--plot" in err
+
+
+# ---------------------------------------------------------------- two tiers ----
+# An independent B2, written from the docstring's formula: each kind of interruption
+# by what survives it, summed over the kinds.
+
+
+def reference_b2(inputs, tau_d, tau_m, r_in=None):
+    """B2(τ_d, τ_m); tau_m None: the memory tier off, every kind back to the durable save."""
+    mtbi = inputs.mtbi_hours * 3600 / inputs.nodes
+    d, latency, r = inputs.blocking_seconds, inputs.commit_latency_seconds, inputs.restart_seconds
+    dm = d if inputs.memory_blocking_seconds is None else inputs.memory_blocking_seconds
+    lm = dm + inputs.memory_send_seconds
+    r_in = r if r_in is None else r_in
+    back_to_durable = (tau_d + d) / 2 + latency
+    back_to_memory = back_to_durable if tau_m is None else (tau_m + dm) / 2 + lm
+    kinds = [  # (share, restart, work lost)
+        (inputs.crash_share, r_in, back_to_memory),
+        (inputs.node_loss_share, r, back_to_memory if inputs.nodes >= 2 else back_to_durable),
+        (1 - inputs.crash_share - inputs.node_loss_share, r, back_to_durable),
+    ]
+    stalls = d / (tau_d + d) + (0 if tau_m is None else dm / (tau_m + dm))
+    return stalls + sum(share * (restart + lost) for share, restart, lost in kinds) / mtbi
+
+
+def test_two_tier_without_the_memory_tier_is_the_one_tier_badput(model):
+    i = model.Inputs(*DEFAULTS, nodes=2)
+    for tau in (2.0, 100.0, 752.0, 5000.0):
+        # R_in not known: every interruption rescheduled, B itself.
+        assert model.two_tier_badput(tau, None, i) == pytest.approx(model.badput(tau, i),
+                                                                    rel=1e-12)
+        # R_in known: B - S, the one-tier plan with in-place restarts.
+        assert model.two_tier_badput(tau, None, i, 30.0) == pytest.approx(
+            model.badput(tau, i) - model.in_place_saving(i, 30.0), rel=1e-12)
+    # A memory tier that covers nothing and costs nothing changes nothing.
+    free = model.Inputs(*DEFAULTS, crash_share=0.0, node_loss_share=0.0,
+                        memory_blocking_seconds=0.0, nodes=2)
+    for tau_m in (2.0, 50.0, 1e6):
+        assert model.two_tier_badput(752.0, tau_m, free) == pytest.approx(
+            model.two_tier_badput(752.0, None, free), rel=1e-12)
+    # The plan's B1 is at the one-tier interval N.
+    p = model.make_plan(i)
+    two = model.make_two_tier(p)
+    assert two.badput_without == pytest.approx(p.expected_badput, rel=1e-12)
+
+
+def test_two_tier_badput_matches_the_independent_formula(model):
+    rng = random.Random(7)
+    for k in range(200):
+        c = rng.uniform(0, 1)
+        i = model.Inputs(rng.uniform(0.5, 100), rng.uniform(0.1, 10), rng.uniform(0, 60),
+                         0, rng.uniform(0, 600), 5, crash_share=c,
+                         node_loss_share=rng.uniform(0, 1 - c), nodes=rng.choice([1, 2, 16]),
+                         memory_blocking_seconds=None if k % 2 else rng.uniform(0, 5),
+                         memory_send_seconds=rng.uniform(0, 3))
+        i = dataclasses.replace(i, commit_latency_seconds=i.blocking_seconds + rng.uniform(0, 60))
+        tau_d, tau_m = rng.uniform(1, 1e4), rng.uniform(1, 1e4)
+        r_in = None if k % 3 else rng.uniform(0, 100)
+        for tm in (tau_m, None):
+            assert model.two_tier_badput(tau_d, tm, i, r_in) == pytest.approx(
+                reference_b2(i, tau_d, tm, r_in), rel=1e-9, abs=1e-15), (k, i)
+
+
+def test_memory_tier_lowers_badput_when_memory_saves_are_cheap(model):
+    # 2 nodes, a memory save blocks 0.2 s against a durable save's 10 s.
+    cheap = model.Inputs(16.0, *DEFAULTS[1:], nodes=2, memory_blocking_seconds=0.2)
+    p = model.make_plan(cheap)
+    two = model.make_two_tier(p)
+    assert two.pays and two.badput_with < two.badput_without
+    assert two.recommended_memory_interval_steps == two.optimal_memory_interval_steps > 0
+    assert two.recommended_memory_interval_steps < p.interval_steps
+    # Durable saves come less often: they now cover only the job losses.
+    assert two.recommended_durable_interval_steps > p.interval_steps
+    assert two.break_even_memory_blocking_seconds > 0.2
+    # A memory save as slow as a durable one (the default, δ_m = δ) does not pay: to first
+    # order √a + √(1 - a) >= 1. The recommendation is then 0, off.
+    same = model.make_two_tier(model.make_plan(dataclasses.replace(
+        cheap, memory_blocking_seconds=None)))
+    assert not same.pays and same.badput_with > same.badput_without
+    assert same.recommended_memory_interval_steps == 0
+    assert same.recommended_durable_interval_steps == p.interval_steps
+    assert same.break_even_memory_blocking_seconds < cheap.blocking_seconds
+
+
+def test_one_node_node_losses_fall_back_to_durable(model):
+    """With one node there is no partner: a node loss costs what a job loss costs."""
+    one = model.Inputs(*DEFAULTS, nodes=1, memory_blocking_seconds=0.2)
+    two_nodes = model.Inputs(16.0, *DEFAULTS[1:], nodes=2, memory_blocking_seconds=0.2)
+    assert one.mtbi_seconds == two_nodes.mtbi_seconds  # the same job MTBI
+    kinds = {k.kind: k for k in model.make_two_tier(model.make_plan(one)).failure_kinds}
+    assert kinds["node_loss"].keeps == kinds["job_loss"].keeps == "durable"
+    assert kinds["crash"].keeps == "node_memory"
+    assert kinds["node_loss"].lost_seconds_with == kinds["job_loss"].lost_seconds_with
+    assert model.memory_share(one) == 0.5 and model.durable_share(one) == 0.5
+    assert model.memory_share(two_nodes) == 0.7
+    kinds2 = {k.kind: k for k in model.make_two_tier(model.make_plan(two_nodes)).failure_kinds}
+    assert kinds2["node_loss"].keeps == "partner_copy"
+    assert kinds2["node_loss"].lost_seconds_with == kinds2["crash"].lost_seconds_with
+    # At the same intervals, losing the partner's cover costs badput.
+    assert model.two_tier_badput(1000.0, 100.0, one) > model.two_tier_badput(1000.0, 100.0,
+                                                                              two_nodes)
+    assert model.two_tier_badput(1000.0, 100.0, one) == pytest.approx(
+        reference_b2(one, 1000.0, 100.0), rel=1e-12)
+    # One node holds no partner's copies.
+    assert model.memory_shards_per_rank(1) == {"own": 1, "partner": 0, "own_peak": 2,
+                                               "partner_peak": 0}
+    assert model.memory_shards_per_rank(4) == {"own": 1, "partner": 1, "own_peak": 2,
+                                               "partner_peak": 2}
+
+
+def test_two_tier_recommendation(model):
+    i = model.Inputs(16.0, *DEFAULTS[1:], nodes=2, memory_blocking_seconds=0.5,
+                     memory_send_seconds=3.0)
+    p = model.make_plan(i)
+    two = model.make_two_tier(p)
+    mtbi, step = i.mtbi_seconds, i.step_seconds
+
+    def daly(delta, m):  # Daly (2006), written out again
+        return math.sqrt(2 * delta * m) * (1 + math.sqrt(delta / (2 * m)) / 3
+                                           + delta / (2 * m) / 9) - delta
+
+    # The memory tier covers crashes and node losses: rate (c + ν)/M; durable the rest.
+    assert two.memory_interval_seconds == pytest.approx(daly(0.5, mtbi / 0.7), rel=1e-12)
+    assert two.durable_interval_seconds == pytest.approx(daly(10.0, mtbi / 0.3), rel=1e-12)
+    assert two.optimal_memory_interval_steps == max(round(two.memory_interval_seconds / step),
+                                                    math.ceil(3.0 / step))
+    assert two.optimal_durable_interval_steps == round(two.durable_interval_seconds / step)
+    # Each near its own integer optimum of B2 (the two parts are separate).
+    n_m, n_d = two.optimal_memory_interval_steps, two.optimal_durable_interval_steps
+    best = reference_b2(i, n_d * step, n_m * step)
+    assert two.badput_with == pytest.approx(best, rel=1e-12)
+    for dm, dd in ((n_m // 2, 0), (2 * n_m, 0), (0, n_d // 2), (0, 2 * n_d)):
+        other = reference_b2(i, (dd or n_d) * step, (dm or n_m) * step)
+        assert best < other
+    # No interruption the memory tier covers: no memory interval, off.
+    none = model.make_two_tier(model.make_plan(dataclasses.replace(
+        i, crash_share=0.0, node_loss_share=0.0)))
+    assert none.optimal_memory_interval_steps is None and none.badput_with is None
+    assert none.recommended_memory_interval_steps == 0 and not none.pays
+    # No job losses: nothing prices rare durable saves, so N_d stays the one-tier N.
+    all_memory = dataclasses.replace(i, crash_share=0.7, node_loss_share=0.3)
+    q = model.make_plan(all_memory)
+    assert model.make_two_tier(q).optimal_durable_interval_steps == q.interval_steps
+
+
+def test_plan_prints_the_two_tiers(run_plan, model, tmp_path):
+    args = (*flags((16.0, *DEFAULTS[1:])), "--nodes", "2", "--memory-blocking-seconds", "0.2")
+    code, out, err = run_plan(*args, "--json")
+    assert code == 0, err
+    got = json.loads(out)["two_tier"]
+    i = model.Inputs(16.0, *DEFAULTS[1:], nodes=2, memory_blocking_seconds=0.2)
+    two = model.make_two_tier(model.make_plan(i))
+    assert got["badput_without_memory_percent"] == 100 * two.badput_without
+    assert got["badput_with_memory_percent"] == 100 * two.badput_with
+    assert got["memory_tier_pays"] is True
+    assert got["recommended_memory_interval_steps"] == two.optimal_memory_interval_steps > 0
+    assert got["memory_share"] == 0.7 and got["node_loss_share"] == 0.2
+    assert [k["kind"] for k in got["failure_kinds"]] == ["crash", "node_loss", "job_loss"]
+    assert [k["keeps"] for k in got["failure_kinds"]] == ["node_memory", "partner_copy",
+                                                         "durable"]
+    assert sum(k["share"] for k in got["failure_kinds"]) == pytest.approx(1)
+    assert got["memory_shards_per_rank"] == {"own": 1, "partner": 1, "own_peak": 2,
+                                             "partner_peak": 2}
+    assert got["configured_badput_percent"] is None  # the memory tier is off unless configured
+    code, text, _ = run_plan(*args)
+    assert code == 0
+    assert "Two tiers: memory and durable" in text
+    for needed in ("crash", "node loss", "job loss", f"{100 * two.badput_without:.2f} %",
+                   f"{100 * two.badput_with:.2f} %", "1 + 1 shards", "up to 2 + 2",
+                   f"checkpoint.memory_interval_steps: {two.optimal_memory_interval_steps}"):
+        assert needed in text, needed
+    # The configured memory interval: from the config (with its durable interval) or the flag.
+    config = tmp_path / "train.yaml"
+    config.write_text("checkpoint:\n  interval_steps: 400\n  memory_interval_steps: 50\n"
+                      + PLAN_SECTION + "  node_loss_share: 0.3\n")
+    code, out, err = run_plan("--config", str(config), "--json")
+    assert code == 0, err
+    got = json.loads(out)["two_tier"]
+    i = model.Inputs(*DEFAULTS, node_loss_share=0.3)
+    assert (got["configured_memory_interval_steps"], got["configured_durable_interval_steps"]) \
+        == (50, 400)
+    assert got["configured_badput_percent"] == pytest.approx(
+        100 * reference_b2(i, 400 * 2.0, 50 * 2.0), rel=1e-12)
+    _, text, _ = run_plan("--config", str(config))
+    assert "at the configured memory interval, 50 steps (durable every 400 steps)" in text
+    _, out, _ = run_plan("--config", str(config), "--memory-interval-steps", "0", "--json")
+    assert json.loads(out)["two_tier"]["configured_badput_percent"] is None
+    _, out, _ = run_plan(*flags(), "--memory-interval-steps", "20", "--json")
+    got = json.loads(out)
+    assert got["two_tier"]["configured_durable_interval_steps"] == got["interval_steps"]
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (("--node-loss-share", "1.5"), "--node-loss-share"),
+    (("--node-loss-share", "-0.1"), "--node-loss-share"),
+    (("--node-loss-share", "0.6"), "--node-loss-share"),  # c + ν = 1.1 with c = 0.5
+    (("--crash-share", "0.9"), "--node-loss-share"),      # with ν = 0.2
+    (("--memory-interval-steps", "-1"), "--memory-interval-steps"),
+    (("--memory-blocking-seconds", "-1"), "--memory-blocking-seconds"),
+    (("--memory-send-seconds", "nan"), "--memory-send-seconds"),
+])
+def test_bad_two_tier_input_names_the_flag(run_plan, args, flag):
+    code, out, err = run_plan(*flags(), *args)
+    assert code == 2
+    assert f"argument {flag}:" in err
+    assert "Traceback" not in err
+    assert out == ""
+
+
+@pytest.mark.parametrize("section", [
+    "  node_loss_share: 1.5\n", "  node_loss_share: -0.1\n", "  node_loss_share: .nan\n",
+    "  node_loss_share: 0.6\n",                       # c + ν > 1 with c = 0.5
+    "  crash_share: 0.9\n",                           # with the default ν = 0.2
+])
+def test_bad_node_loss_share_names_the_key(run_plan, tmp_path, section):
+    config = tmp_path / "train.yaml"
+    config.write_text("plan:\n" + section)
+    code, out, err = run_plan("--config", str(config))
+    assert code == 2
+    assert err.startswith("error: plan.node_loss_share must be")
+    assert "Traceback" not in err
+    assert out == ""
+    # At most 1: the shares of crashes, node losses and job losses add up to one.
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("plan:\n  crash_share: 0.7\n  node_loss_share: 0.3\n")
+    assert run_plan("--config", str(ok), *flags(), "--json")[0] == 0

@@ -31,6 +31,7 @@ from ..runtime.metrics import MetricsLog
 from .layout import BestRule, Committed, check_storage, newest_complete_checkpoint
 from .lease import Lease, LeaseHeld
 from .manager import CheckpointManager
+from .memory_tier import MemoryTier, MemoryTierUnusable
 from .policy import SavePolicy, StepBoundary, StepDecision
 from .restore import TrainingState, choose_and_load
 from .storage import StorageError, StorageUnavailable, open_storage
@@ -52,12 +53,16 @@ class Checkpointer:
     def __init__(self, cfg: Config, runtime: Runtime, metrics: MetricsLog,
                  boundary: StepBoundary, manager: CheckpointManager, lease: Lease | None,
                  newest_step: int | None,
-                 allow: Callable[[float], contextlib.AbstractContextManager] | None) -> None:
+                 allow: Callable[[float], contextlib.AbstractContextManager] | None,
+                 memory: MemoryTier | None = None) -> None:
         self.cfg, self.runtime, self.metrics = cfg, runtime, metrics
         self.boundary = boundary
         self.manager = manager
         self.lease = lease
+        self.memory = memory   # the memory tier (checkpoint.memory_interval_steps), or None
         self.first_start = newest_step is None   # no committed checkpoint at the start
+        self._newest_step = newest_step
+        self._training: TrainingState | None = None
         self._allow = allow
         self._policy: SavePolicy | None = None
         self._start_step = 0
@@ -66,9 +71,10 @@ class Checkpointer:
     # ------------------------------------------------------------------ start --
     @classmethod
     def open(cls, cfg: Config, runtime: Runtime, metrics: MetricsLog, boundary: StepBoundary,
-             *, allow: Callable[[float], contextlib.AbstractContextManager] | None = None
-             ) -> Checkpointer:
-        """Open checkpoint.dir for this job: a storage probe, the lease, a clean root.
+             *, allow: Callable[[float], contextlib.AbstractContextManager] | None = None,
+             continues: bool = False) -> Checkpointer:
+        """Open checkpoint.dir for this job: a storage probe, the lease, a clean root, and
+        the memory tier (its copies are kept only when the start ``continues`` a run).
 
         Raises CheckpointRefused on every rank when the storage cannot be used or another
         job holds the lease. ``allow(seconds)`` widens the step watchdog's bound while a
@@ -94,18 +100,29 @@ class Checkpointer:
         try:
             manager.prepare()
             newest = decide_on_rank0(lambda: _newest_step(manager))
+            memory = MemoryTier.open(cfg, runtime, metrics, continues=continues)
+        except MemoryTierUnusable as exc:
+            if lease is not None:
+                lease.release()
+            raise CheckpointRefused(str(exc)) from None
         except BaseException:
             if lease is not None:
                 lease.release()
             raise
-        return cls(cfg, runtime, metrics, boundary, manager, lease, newest, allow)
+        return cls(cfg, runtime, metrics, boundary, manager, lease, newest, allow, memory)
 
     def load(self, training: TrainingState) -> Committed | None:
         """Load the newest checkpoint that loads into ``training`` (falling back to older
         ones); None when there is none. Raises IncompatibleCheckpoint or
         CheckpointUnusable (exit status 2). From now on saves take their state from
         ``training``."""
-        resumed = choose_and_load(self.manager, training, self.cfg, self.runtime, self.metrics)
+        self._training = training
+        resumed = None
+        if self.memory is not None:   # the nearest copy: memory when not older than durable
+            resumed = self.memory.restore(training.state(), self._newest_step)
+        if resumed is None:
+            resumed = choose_and_load(self.manager, training, self.cfg, self.runtime,
+                                      self.metrics)
         ckpt = self.cfg.checkpoint
         self._policy = SavePolicy(
             self.manager, interval_steps=ckpt.interval_steps, final_step=self.cfg.train.max_steps,
@@ -134,8 +151,11 @@ class Checkpointer:
                 policy.warm_up(timeout_s, stage=policy.resumed_from is not None,
                                process_log=os.path.join(self.cfg.log.dir, "checkpoint-process."
                                                         f"rank{self.runtime.rank}.log"))
-        decision = policy.decide(step, self.boundary, trained=step != self._start_step,
-                                 last_step=last_step)
+        trained = step != self._start_step
+        decision = policy.decide(step, self.boundary, trained=trained, last_step=last_step)
+        if (self.memory is not None and trained and not decision.stop and not last_step
+                and self.memory.due(step) and self._training is not None):
+            self.memory.save(step, self._training.state(), self._training.commit_record())
         return dataclasses.replace(decision, newest=policy.describe_newest())
 
     # ------------------------------------------------------------------- end --
@@ -148,12 +168,15 @@ class Checkpointer:
             policy.finish(self.boundary)
         newest = policy.newest_step
         newest = f"step {newest}" if newest is not None else "none"
+        committed = decide_on_rank0(lambda: policy.committed(step))
+        if self.memory is not None:   # freed once the final state is durable
+            self.memory.close(free_copies=committed)
         if last.stop:
             if last.why != "not_saved":
                 return last
             return dataclasses.replace(
                 last, detail=f"{last.detail}; the newest committed checkpoint is {newest}")
-        if decide_on_rank0(lambda: policy.committed(step)):
+        if committed:
             return StepDecision(saved=last.saved, why="finished")
         return StepDecision(why="not_saved", detail=(
             f"the final checkpoint of step {step} did not commit "

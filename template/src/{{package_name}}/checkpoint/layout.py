@@ -66,6 +66,7 @@ class Committed:
     name: str
     path: str
     record: dict[str, Any]
+    tier: str = "durable"   # or "memory": a copy of the memory tier (memory_tier.py)
 
     @property
     def world_size(self) -> int:

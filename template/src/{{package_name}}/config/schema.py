@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..interval.formulas import CRASH_SHARE
+from ..interval.formulas import CRASH_SHARE, NODE_LOSS_SHARE, SHARE_SLACK
 from ..runtime import exit_codes
 
 DEFAULT_CONFIG = Path("configs/train.yaml")
@@ -138,6 +138,8 @@ class CheckpointConfig:
     keep_best: int = 0              # the best checkpoints by best_metric, kept besides keep_last
     best_metric: str = "eval_loss"  # a field of the eval event (eval_<metric>)
     best_mode: str = "min"          # min | max
+    memory_interval_steps: int = 0  # a copy in host memory (and on a partner node) every N steps; 0: off
+    memory_dir: str = "/dev/shm"    # where the node's memory copies live (a tmpfs: RAM)
 
     def __post_init__(self) -> None:
         require(bool(self.dir.strip()), "checkpoint.dir", "must not be empty", self.dir)
@@ -156,6 +158,11 @@ class CheckpointConfig:
         require(self.interval_steps >= 1, "checkpoint.interval_steps", "must be >= 1",
                  self.interval_steps)
         require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", self.keep_last)
+        require(self.memory_interval_steps >= 0, "checkpoint.memory_interval_steps",
+                "must be >= 0 (0 = off)", self.memory_interval_steps)
+        require(bool(self.memory_dir.strip()) and not _URL.match(self.memory_dir),
+                "checkpoint.memory_dir", "must be a local directory (a tmpfs such as /dev/shm)",
+                self.memory_dir)
         require(self.max_failed_saves >= 1, "checkpoint.max_failed_saves", "must be >= 1",
                  self.max_failed_saves)
         for key in ("wait_timeout_s", "start_timeout_s", "lease_stale_s", "lease_wait_s"):
@@ -305,11 +312,18 @@ class PlanConfig:
     badput_target_percent: float = 5.0
     crash_share: float = CRASH_SHARE   # assumed share of interruptions that are crashes
     nodes: int = 1   # mtbi_hours is one node's: the plan uses mtbi_hours / nodes for the job
+    node_loss_share: float = NODE_LOSS_SHARE   # assumed share that takes one node's memory away
 
     def __post_init__(self) -> None:
         require(self.nodes >= 1, "plan.nodes", "must be a whole number >= 1 (nodes)", self.nodes)
         require(math.isfinite(self.crash_share) and 0 <= self.crash_share <= 1,
                  "plan.crash_share", "must be a number between 0 and 1", self.crash_share)
+        require(math.isfinite(self.node_loss_share) and 0 <= self.node_loss_share <= 1,
+                 "plan.node_loss_share", "must be a number between 0 and 1",
+                 self.node_loss_share)
+        require(self.crash_share + self.node_loss_share <= 1 + SHARE_SLACK, "plan.node_loss_share",
+                 f"must be at most 1 - plan.crash_share = {1 - self.crash_share:g} (crashes, "
+                 "node losses and job losses share the interruptions)", self.node_loss_share)
         # NaN and ±inf are refused too (NaN fails every comparison; inf is not finite).
         require(math.isfinite(self.mtbi_hours) and self.mtbi_hours > 0, "plan.mtbi_hours",
                  "must be a finite number > 0 (hours)", self.mtbi_hours)

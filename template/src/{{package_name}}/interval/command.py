@@ -20,14 +20,24 @@ from pathlib import Path
 from .. import PACKAGE
 from ..config import DEFAULT_CONFIG, Config, ConfigError, load_config
 from ..runtime import exit_codes
-from .formulas import Inputs, MetricsError, PlanInputError, badput, make_plan, read_metrics
+from .formulas import (
+    Inputs,
+    MetricsError,
+    PlanInputError,
+    badput,
+    make_plan,
+    make_two_tier,
+    read_metrics,
+)
 from .plot import PLOT_SUFFIXES, PlotUnavailable, plot_badput
 from .report import (
     checklist_language,
     format_plan,
+    format_two_tier,
     render_measured_section,
     replace_measured_section,
     to_json,
+    two_tier_json,
     write_atomically,
 )
 
@@ -42,11 +52,15 @@ FLAGS = {
     "badput_target_percent": ("--badput-target-percent", "badput_target_percent"),
     "crash_share": ("--crash-share", "crash_share"),
     "nodes": ("--nodes", "nodes"),
+    "node_loss_share": ("--node-loss-share", "node_loss_share"),
 }
-# Without a flag or a config: an assumption (half of the interruptions are crashes) and
-# the default node count (one node, so the job's MTBI is the node's).
-ASSUMED = {"crash_share": Inputs.__dataclass_fields__["crash_share"].default,
-           "nodes": Inputs.__dataclass_fields__["nodes"].default}
+# Without a flag or a config: assumptions (half of the interruptions are crashes, a fifth
+# node losses) and the default node count (one node, so the job's MTBI is the node's).
+ASSUMED = {name: Inputs.__dataclass_fields__[name].default
+           for name in ("crash_share", "nodes", "node_loss_share")}
+# Inputs the config has no key for: a flag or the model's default (δ_m = δ, L_m = δ_m).
+MEMORY_FLAGS = {"memory_blocking_seconds": "--memory-blocking-seconds",
+                "memory_send_seconds": "--memory-send-seconds"}
 
 MEASURED_FIELDS = ("step_seconds", "blocking_seconds", "commit_latency_seconds")
 
@@ -79,6 +93,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--crash-share", metavar="C", **num,
                         help="assumed share of interruptions that are crashes, restarted in "
                              "place, rather than preemptions, rescheduled (0-1; default 0.5)")
+    parser.add_argument("--node-loss-share", metavar="NU", **num,
+                        help="assumed share of interruptions that take one node, its memory "
+                             "with it, while the job's other machines stay: the memory tier's "
+                             "partner copy survives them (0-1, crash share + this <= 1; "
+                             "default 0.2)")
+    parser.add_argument("--memory-interval-steps", metavar="K", type=int, default=None,
+                        help="memory tier: a copy in host memory and on a partner node every K "
+                             "steps, 0 = off (default: checkpoint.memory_interval_steps of the "
+                             "config, else 0); badput is shown at K too")
+    parser.add_argument("--memory-blocking-seconds", metavar="D_M", **num,
+                        help="time one memory save blocks training (δ_m; default δ: both are "
+                             "one copy of the state into host memory)")
+    parser.add_argument("--memory-send-seconds", metavar="S", **num,
+                        help="time to send a memory copy to the partner rank: the memory "
+                             "commit latency is L_m = δ_m + S (default 0)")
     parser.add_argument("--in-place-restart-seconds", metavar="R_IN", **num,
                         help="from a crash until training runs again after torchrun restarted "
                              "the workers in place (default: measured by --metrics)")
@@ -129,15 +158,30 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"argument --metrics: {exc}")
 
     values, origins = resolve_inputs(args, config, config_path, measured, parser)
+    for field, flag in MEMORY_FLAGS.items():
+        if getattr(args, field) is not None:
+            values[field], origins[field] = getattr(args, field), flag
     inputs = Inputs(**values)
     in_place = args.in_place_restart_seconds
     if in_place is None and measured is not None:
         in_place = measured.in_place_restart_seconds
     origins["in_place_restart_seconds"] = "--in-place-restart-seconds"
+    # The memory tier at the configured intervals: checkpoint.memory_interval_steps (or
+    # the flag) with the config's durable interval, or the recommended one without a config.
+    memory_steps, durable_steps = args.memory_interval_steps, None
+    origins["memory_interval_steps"] = "--memory-interval-steps"
+    if config is not None:
+        durable_steps = config.checkpoint.interval_steps
+        if memory_steps is None:
+            memory_steps = config.checkpoint.memory_interval_steps
+            origins["memory_interval_steps"] = (
+                f"checkpoint.memory_interval_steps in {config_path}")
     try:
         plan = make_plan(inputs, in_place)
+        two_tier = make_two_tier(plan, memory_steps or 0, durable_steps)
     except PlanInputError as exc:
-        flag = FLAGS[exc.field][0] if exc.field in FLAGS else "--in-place-restart-seconds"
+        flag = (FLAGS[exc.field][0] if exc.field in FLAGS
+                else MEMORY_FLAGS.get(exc.field, f"--{exc.field.replace('_', '-')}"))
         parser.error(f"argument {flag}: {exc.message}"
                      + ("" if origins[exc.field] == flag else f" (from {origins[exc.field]})"))
 
@@ -149,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.json:
         payload = to_json(plan)
+        payload["two_tier"] = two_tier_json(two_tier)
         if measured is not None:
             payload["measured"] = dataclasses.asdict(measured)
             payload["planned"] = None if planned is None else dataclasses.asdict(planned)
@@ -159,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(payload, ensure_ascii=False))
     else:
         print(format_plan(plan))
+        print()
+        print(format_two_tier(two_tier))
         if measured is not None:
             print()
             print(render_measured_section(plan, measured, planned, configured), end="")
@@ -200,7 +247,7 @@ def resolve_inputs(args, config: Config | None, config_path: str, measured, pars
             values[field], origins[field] = getattr(config.plan, key), f"plan.{key} in {config_path}"
         elif field in ASSUMED:
             values[field] = ASSUMED[field]
-            origins[field] = "an assumption" if field == "crash_share" else "the default"
+            origins[field] = "the default" if field == "nodes" else "an assumption"
         else:
             parser.error(f"missing {flag} (no {DEFAULT_CONFIG} here; pass the flag or "
                          "--config PATH)")

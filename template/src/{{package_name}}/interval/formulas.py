@@ -1,5 +1,6 @@
-"""The checkpoint interval plan: the model, the one source of its formulas (a little over
-400 lines: kept whole, so that every formula the checklist mirrors is in one file).
+"""The checkpoint interval plan: the model, the one source of its formulas (about 700
+lines: kept whole, so that every formula the checklist mirrors, the memory tier's too, is
+in one file).
 
     M   mean time between interruptions of the job (s): one node's MTBI / nodes, below
     T   time of one optimizer step (s)          δ   time one save blocks training (s)
@@ -35,6 +36,62 @@ events of in-place restarts in metrics.jsonl). The interval does not depend on R
 The interval is Daly's higher-order estimate (Daly 2006, Future Generation
 Computer Systems 22(3)); its first term, √(2δM), is Young's (1974).
 
+Two tiers: memory and durable. With ``checkpoint.memory_interval_steps`` > 0 each rank also
+copies its state into its node's host memory (``checkpoint.memory_dir``, /dev/shm: it
+survives a worker restart) and sends a copy to a partner rank on another node, every τ_m;
+durable saves still come every τ_d (the τ above, ``checkpoint.interval_steps``·T).
+
+    τ_m  training time between memory saves (memory_interval_steps·T; 0 steps = off)
+    δ_m  time one memory save blocks training (s). Default δ: a memory save and the
+         blocking part of a durable save are both one copy of the state into host memory
+    L_m  memory commit latency (s): δ_m plus the time to send the copy to the partner,
+         taken as 0 until given (``Inputs.memory_send_seconds``), so L_m = δ_m
+    ν    node-loss share (plan.node_loss_share, default 0.2, an assumption), c + ν <= 1
+
+Interruptions then come in three kinds, by what survives them:
+
+    crash      c          the node's memory: restart in place (R_in), back to the newest
+                          memory copy: half a memory interval lost on average
+    node loss  ν          the partner's copy on another node: rescheduled (R), back to the
+                          newest memory copy. On one node there is no partner: a node loss
+                          falls back to the durable save, as a job loss does
+    job loss   1 - c - ν  durable storage only (preempted without a save, every machine
+                          gone): rescheduled (R), back to the durable save
+
+    B2(τ_d, τ_m) = δ/(τ_d+δ) + δ_m/(τ_m+δ_m)
+                 + [c(R_in + (τ_m+δ_m)/2 + L_m) + ν(R + (τ_m+δ_m)/2 + L_m)
+                    + (1-c-ν)(R + (τ_d+δ)/2 + L)]/M
+
+(on one node ν's term is ν(R + (τ_d+δ)/2 + L)). Without the memory tier every kind falls
+back to the durable save:
+
+    B1(τ_d) = δ/(τ_d+δ) + [c·R_in + (1-c)R + (τ_d+δ)/2 + L]/M  =  B(τ_d) - S
+
+What is compared: B1 and B2 with the same restart times, R_in for crashes when it is
+measured or given and otherwise R_in = R (every interruption rescheduled, as B assumes);
+the restart terms then cancel in B1 - B2, which is the memory tier's gain in stalls,
+rework and commit latency. B2 charges every save its own stall, also where a durable save
+falls on a memory save's step (conservative: they could share one copy).
+
+The recommendation. B2 splits into a durable part δ/(τ_d+δ) + λ_d(τ_d+δ)/2 and a memory
+part δ_m/(τ_m+δ_m) + λ_m(τ_m+δ_m)/2, where λ_m = a/M is the rate of the interruptions the
+memory tier covers (a = c + ν; a = c on one node) and λ_d = (1-a)/M that of those only
+durable storage covers (job losses, and node losses on one node). Each part is B's
+shape, so each has Daly's optimum: τ_m* = Daly(δ_m, M/a), τ_d* = Daly(δ, M/(1-a)), in
+steps N_m = max(round(τ_m*/T), ⌈(L_m-δ_m)/T⌉, 1) and N_d as N. The memory tier is
+recommended (checkpoint.memory_interval_steps = N_m, interval_steps = N_d) only when
+B2(N_d·T, N_m·T) < B1(N·T); otherwise the recommendation is 0, off. To first order the
+optimum costs √(2δ_m·a/M) + √(2δ(1-a)/M) against √(2δ/M) without the tier: with δ_m = δ
+it never pays on stalls and rework (√a + √(1-a) >= 1), only through a durable commit
+latency L well above L_m; it pays once δ_m < δ(1-√(1-a))²/a (first order, the break-even
+below). With a = 0 there is no memory optimum; with 1 - a = 0 (no job losses) the durable
+part costs nothing for rare saves and N_d stays N.
+
+Memory each rank holds with the tier on: its newest copy of its own shard and its
+partner's newest copy of theirs, 1 + 1 shards; while a new copy replaces the old one both
+are kept until the new one is complete, so up to 2 + 2 (on one node 1, up to 2: no
+partner). ``memory_shards_per_rank`` says so; the copies are freed when the job ends.
+
 The copy-time numbers (includes/plan.jinja in the template) repeat these
 expressions in Jinja; the template's tests hold the two together. Text, Markdown
 and plots of a plan are in interval.report and interval.plot; the command line is
@@ -64,6 +121,9 @@ class PlanInputError(ValueError):
 
 
 CRASH_SHARE = 0.5  # assumed share of interruptions that are crashes (restarted in place)
+NODE_LOSS_SHARE = 0.2  # assumed share of interruptions that take one node (its memory) away
+# c + ν may exceed 1 by this much (0.7 + 0.3 is not exactly 1 in floats).
+SHARE_SLACK = 1e-9
 
 
 @dataclass(frozen=True)
@@ -76,6 +136,21 @@ class Inputs:
     badput_target_percent: float
     crash_share: float = CRASH_SHARE
     nodes: int = 1   # mtbi_hours is one node's; the job's MTBI is mtbi_hours / nodes
+    node_loss_share: float = NODE_LOSS_SHARE   # ν: node losses, the partner's copy survives
+    memory_blocking_seconds: float | None = None  # δ_m; None: δ (one copy into host memory)
+    memory_send_seconds: float = 0.0  # sending the memory copy to the partner: L_m = δ_m + this
+
+    @property
+    def memory_blocking(self) -> float:
+        """δ_m: the memory save's stall, the durable save's blocking time δ unless given."""
+        if self.memory_blocking_seconds is None:
+            return self.blocking_seconds
+        return self.memory_blocking_seconds
+
+    @property
+    def memory_commit_latency(self) -> float:
+        """L_m = δ_m + the time to send the copy to the partner."""
+        return self.memory_blocking + self.memory_send_seconds
 
     @property
     def mtbi_seconds(self) -> float:
@@ -94,6 +169,8 @@ class Inputs:
         """Raise PlanInputError for the first input that is out of range."""
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if value is None and field.name == "memory_blocking_seconds":
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise PlanInputError(field.name, f"must be a number (got {value!r})")
             if not math.isfinite(value):
@@ -120,6 +197,18 @@ class Inputs:
         if not 0 <= self.crash_share <= 1:
             raise PlanInputError("crash_share",
                                  f"must be between 0 and 1 (got {self.crash_share:g})")
+        if not 0 <= self.node_loss_share <= 1:
+            raise PlanInputError("node_loss_share",
+                                 f"must be between 0 and 1 (got {self.node_loss_share:g})")
+        if self.crash_share + self.node_loss_share > 1 + SHARE_SLACK:
+            raise PlanInputError(
+                "node_loss_share",
+                f"must be at most 1 - crash share = {1 - self.crash_share:g}: crashes, node "
+                f"losses and job losses share the interruptions (got {self.node_loss_share:g})")
+        for name in ("memory_blocking_seconds", "memory_send_seconds"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise PlanInputError(name, f"must be >= 0 (got {value:g})")
 
 
 # ---------------------------------------------------------------- formulas ----
@@ -300,6 +389,195 @@ def make_plan(inputs: Inputs, in_place_restart_seconds: float | None = None) -> 
         in_place_restart_seconds=in_place_restart_seconds,
         in_place_saving=(None if in_place_restart_seconds is None
                          else in_place_saving(inputs, in_place_restart_seconds)),
+    )
+
+
+# --------------------------------------------------------------- two tiers ----
+# The same rule as above: includes/plan.jinja repeats these expressions, in this order.
+
+
+def memory_share(inputs: Inputs) -> float:
+    """a: the share of interruptions the memory tier covers, c + ν (c on one node)."""
+    if inputs.nodes >= 2:
+        return inputs.crash_share + inputs.node_loss_share
+    return inputs.crash_share
+
+
+def job_loss_share(inputs: Inputs) -> float:
+    """1 - c - ν: the interruptions only durable storage survives."""
+    return max(0.0, 1 - inputs.crash_share - inputs.node_loss_share)
+
+
+def durable_share(inputs: Inputs) -> float:
+    """1 - a: the interruptions that fall back to the durable save with the memory tier on."""
+    if inputs.nodes >= 2:
+        return job_loss_share(inputs)
+    return max(0.0, 1 - inputs.crash_share)
+
+
+def two_tier_badput(tau_d: float, tau_m: float | None, inputs: Inputs,
+                    in_place_restart_seconds: float | None = None) -> float:
+    """B2(τ_d, τ_m); with tau_m None (the memory tier off) B1(τ_d).
+
+    R_in is the crash's restart time; None: R, every interruption rescheduled, as B assumes.
+    """
+    d, latency, mtbi = inputs.blocking_seconds, inputs.commit_latency_seconds, inputs.mtbi_seconds
+    dm, lm = inputs.memory_blocking, inputs.memory_commit_latency
+    c, nu, r = inputs.crash_share, inputs.node_loss_share, inputs.restart_seconds
+    r_in = r if in_place_restart_seconds is None else in_place_restart_seconds
+    durable = (tau_d + d) / 2 + latency
+    if tau_m is None:
+        memory, stall = durable, 0.0
+    else:
+        memory, stall = (tau_m + dm) / 2 + lm, dm / (tau_m + dm)
+    node = memory if inputs.nodes >= 2 else durable
+    job = job_loss_share(inputs)
+    return d / (tau_d + d) + stall + (c * (r_in + memory) + nu * (r + node)
+                                      + job * (r + durable)) / mtbi
+
+
+def memory_interval_seconds(inputs: Inputs) -> float | None:
+    """τ_m* = Daly(δ_m, M/a); None when the memory tier covers no interruption (a = 0)."""
+    share = memory_share(inputs)
+    if share <= 0:
+        return None
+    return daly_interval(inputs.memory_blocking, inputs.mtbi_seconds / share)
+
+
+def durable_interval_seconds_with_memory(inputs: Inputs) -> float | None:
+    """τ_d* = Daly(δ, M/(1-a)), re-optimised for the job losses; None without any."""
+    share = durable_share(inputs)
+    if share < SHARE_SLACK:
+        return None
+    return daly_interval(inputs.blocking_seconds, inputs.mtbi_seconds / share)
+
+
+def shortest_memory_interval_steps(inputs: Inputs) -> int:
+    """At least one step, and no memory save before the previous one reached the partner."""
+    wait = max(inputs.memory_commit_latency - inputs.memory_blocking, 0)
+    return max(1, math.ceil(wait / inputs.step_seconds))
+
+
+def break_even_memory_blocking(inputs: Inputs) -> float | None:
+    """δ(1-√(1-a))²/a: below this δ_m the memory tier pays, to first order; None if a = 0."""
+    a, b = memory_share(inputs), durable_share(inputs)
+    if a <= 0:
+        return None
+    return inputs.blocking_seconds * (1 - b**0.5) ** 2 / a
+
+
+# Shards of its own size each rank keeps in memory with the memory tier on:
+# (own, partner's) in steady state, and at most, while a new copy replaces the old one.
+MEMORY_SHARDS_STEADY = (1, 1)
+MEMORY_SHARDS_PEAK = (2, 2)
+
+
+def memory_shards_per_rank(nodes: int) -> dict[str, int]:
+    """The copies one rank holds, as multiples of its shard: own + partner's (none on one node)."""
+    partner = 1 if nodes >= 2 else 0
+    return {"own": MEMORY_SHARDS_STEADY[0], "partner": partner * MEMORY_SHARDS_STEADY[1],
+            "own_peak": MEMORY_SHARDS_PEAK[0], "partner_peak": partner * MEMORY_SHARDS_PEAK[1]}
+
+
+@dataclass(frozen=True)
+class FailureKind:
+    """What one kind of interruption keeps and costs, without and with the memory tier."""
+
+    kind: str              # crash | node_loss | job_loss
+    share: float
+    keeps: str             # node_memory | partner_copy | durable: what it resumes from
+    restart_seconds: float
+    lost_seconds_without: float   # average work lost without the memory tier (at N)
+    lost_seconds_with: float      # with it (at N_d and N_m)
+    badput_without: float         # share·(restart + lost)/M, a fraction
+    badput_with: float
+
+
+@dataclass(frozen=True)
+class TwoTierPlan:
+    """The memory tier against durable saves alone, for one plan's inputs."""
+
+    plan: Plan
+    in_place_restart_seconds: float     # R_in used: measured or given, else R
+    memory_share: float                 # a
+    durable_share: float                # 1 - a
+    badput_without: float               # B1(N·T)
+    memory_interval_seconds: float | None          # τ_m*
+    durable_interval_seconds: float | None         # τ_d*, with the memory tier
+    optimal_memory_interval_steps: int | None      # N_m (None: the tier covers nothing)
+    optimal_durable_interval_steps: int            # N_d
+    badput_with: float | None           # B2(N_d·T, N_m·T)
+    break_even_memory_blocking_seconds: float | None
+    failure_kinds: tuple[FailureKind, ...]
+    memory_shards: dict[str, int]
+    configured_memory_interval_steps: int = 0      # checkpoint.memory_interval_steps
+    configured_durable_interval_steps: int | None = None
+    configured_badput: float | None = None         # B2 at the configured intervals (K > 0)
+
+    @property
+    def pays(self) -> bool:
+        return self.badput_with is not None and self.badput_with < self.badput_without
+
+    @property
+    def recommended_memory_interval_steps(self) -> int:
+        """N_m when the memory tier lowers badput, else 0 (off)."""
+        return self.optimal_memory_interval_steps if self.pays else 0
+
+    @property
+    def recommended_durable_interval_steps(self) -> int:
+        return self.optimal_durable_interval_steps if self.pays else self.plan.interval_steps
+
+
+def make_two_tier(plan: Plan, memory_interval_steps: int = 0,
+                  durable_interval_steps: int | None = None) -> TwoTierPlan:
+    """The two-tier figures for a plan; at the configured intervals too when
+    memory_interval_steps > 0 (durable_interval_steps: the configured one, default N)."""
+    i = plan.inputs
+    if isinstance(memory_interval_steps, bool) or not isinstance(memory_interval_steps, int) \
+            or memory_interval_steps < 0:
+        raise PlanInputError("memory_interval_steps",
+                             f"must be a whole number >= 0, 0 = off (got {memory_interval_steps!r})")
+    step, r = i.step_seconds, i.restart_seconds
+    r_in = r if plan.in_place_restart_seconds is None else plan.in_place_restart_seconds
+    n = plan.interval_steps
+    tau_m, tau_d = memory_interval_seconds(i), durable_interval_seconds_with_memory(i)
+    n_m = None if tau_m is None else max(round(tau_m / step), shortest_memory_interval_steps(i))
+    n_d = n if tau_d is None else max(round(tau_d / step), shortest_interval_steps(i))
+    with_memory = None if n_m is None else two_tier_badput(n_d * step, n_m * step, i, r_in)
+
+    def lost(tau, d, latency):
+        return (tau + d) / 2 + latency
+
+    durable_without = lost(n * step, i.blocking_seconds, i.commit_latency_seconds)
+    durable_with = lost(n_d * step, i.blocking_seconds, i.commit_latency_seconds)
+    memory_with = durable_with if n_m is None else lost(n_m * step, i.memory_blocking,
+                                                        i.memory_commit_latency)
+    node_keeps = "partner_copy" if i.nodes >= 2 else "durable"
+    kinds = []
+    for kind, share, keeps, restart in (
+            ("crash", i.crash_share, "node_memory", r_in),
+            ("node_loss", i.node_loss_share, node_keeps, r),
+            ("job_loss", job_loss_share(i), "durable", r)):
+        with_ = durable_with if keeps == "durable" else memory_with
+        kinds.append(FailureKind(kind, share, keeps, restart, durable_without, with_,
+                                 share * (restart + durable_without) / i.mtbi_seconds,
+                                 share * (restart + with_) / i.mtbi_seconds))
+    configured = None
+    durable_conf = n if durable_interval_steps is None else durable_interval_steps
+    if memory_interval_steps > 0:
+        configured = two_tier_badput(durable_conf * step, memory_interval_steps * step, i, r_in)
+    return TwoTierPlan(
+        plan=plan, in_place_restart_seconds=r_in, memory_share=memory_share(i),
+        durable_share=durable_share(i),
+        badput_without=two_tier_badput(n * step, None, i, r_in),
+        memory_interval_seconds=tau_m, durable_interval_seconds=tau_d,
+        optimal_memory_interval_steps=n_m, optimal_durable_interval_steps=n_d,
+        badput_with=with_memory,
+        break_even_memory_blocking_seconds=break_even_memory_blocking(i),
+        failure_kinds=tuple(kinds), memory_shards=memory_shards_per_rank(i.nodes),
+        configured_memory_interval_steps=memory_interval_steps,
+        configured_durable_interval_steps=durable_conf if memory_interval_steps > 0 else None,
+        configured_badput=configured,
     )
 
 

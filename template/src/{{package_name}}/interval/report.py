@@ -14,6 +14,7 @@ from .formulas import (
     Inputs,
     Measured,
     Plan,
+    TwoTierPlan,
     badput,
     min_saving_and_rework,
 )
@@ -161,7 +162,112 @@ def to_json(plan: Plan) -> dict:
             "restart_seconds": i.restart_seconds,
             "badput_target_percent": i.badput_target_percent,
             "crash_share": i.crash_share,
+            "node_loss_share": i.node_loss_share,
         },
+    }
+
+
+# ---------------------------------------------------------------- two tiers ----
+
+KIND_NAMES = {"crash": "crash", "node_loss": "node loss", "job_loss": "job loss"}
+KEEPS = {"node_memory": "the node's memory copy", "partner_copy": "the partner's copy",
+         "durable": "the durable save"}
+
+
+def format_two_tier(two: TwoTierPlan) -> str:
+    """The memory tier against durable saves alone, as a few lines for people."""
+    p = two.plan
+    i, step = p.inputs, p.inputs.step_seconds
+    r_in = ("(measured or given)" if p.in_place_restart_seconds is not None
+            else "(= R: not measured)")
+    dm = ("(= δ: one copy into host memory)" if i.memory_blocking_seconds is None
+          else "(given)")
+    lines = [
+        "Two tiers: memory and durable (checkpoint.memory_interval_steps)",
+        (f"  inputs: δ_m = {i.memory_blocking:g} s {dm}, L_m = {i.memory_commit_latency:g} s "
+         f"(δ_m + {i.memory_send_seconds:g} s to the partner), R_in = "
+         f"{two.in_place_restart_seconds:g} s {r_in}, crash c = {i.crash_share:g}, "
+         f"node loss ν = {i.node_loss_share:g}, the memory tier covers a = "
+         f"{two.memory_share:g}" + ("" if i.nodes >= 2 else " (one node: no partner)")),
+        (f"  without the memory tier: B1 = {100 * two.badput_without:.2f} % (durable every "
+         f"{p.interval_steps} steps; every interruption back to the durable save)"),
+    ]
+    if two.optimal_memory_interval_steps is None:
+        lines.append("  with the memory tier: it covers no interruption here (a = 0)")
+    else:
+        n_m, n_d = two.optimal_memory_interval_steps, two.optimal_durable_interval_steps
+        lines.append(f"  with the memory tier at its optimum: memory every {n_m} steps = "
+                     f"{n_m * step:.1f} s, durable every {n_d} steps = {n_d * step:.1f} s: "
+                     f"B2 = {100 * two.badput_with:.2f} %")
+    if two.configured_badput is not None:
+        lines.append(f"  at the configured memory interval, {two.configured_memory_interval_steps}"
+                     f" steps (durable every {two.configured_durable_interval_steps} steps): "
+                     f"B2 = {100 * two.configured_badput:.2f} %")
+    if two.pays:
+        lines.append(f"  recommended: checkpoint.memory_interval_steps: "
+                     f"{two.recommended_memory_interval_steps}, checkpoint.interval_steps: "
+                     f"{two.recommended_durable_interval_steps}")
+    else:
+        even = two.break_even_memory_blocking_seconds
+        lines.append("  recommended: checkpoint.memory_interval_steps: 0 (off): the memory tier "
+                     "does not lower badput here"
+                     + ("" if even is None else
+                        f"; it would once a memory save blocks less than about {even:.2f} s "
+                        "(first order)"))
+    lines.append("  per failure kind        share  resumes from              restart   "
+                 "lost without / with the tier")
+    for k in two.failure_kinds:
+        lines.append(f"    {KIND_NAMES[k.kind]:<20} {k.share:5.2f}  {KEEPS[k.keeps]:<24}  "
+                     f"{k.restart_seconds:6.1f} s  {k.lost_seconds_without:.1f} s "
+                     f"({100 * k.badput_without:.2f} %) / {k.lost_seconds_with:.1f} s "
+                     f"({100 * k.badput_with:.2f} %)")
+    m = two.memory_shards
+    lines.append(f"  memory per rank with the tier on: {m['own']} + {m['partner']} shards (its own "
+                 f"+ its partner's), up to {m['own_peak']} + {m['partner_peak']} while a new "
+                 "copy replaces the old; in checkpoint.memory_dir, freed when the job ends")
+    return "\n".join(lines)
+
+
+def two_tier_json(two: TwoTierPlan) -> dict:
+    """The two-tier figures as plain data: `plan --json`'s ``two_tier``."""
+    i, step = two.plan.inputs, two.plan.inputs.step_seconds
+
+    def percent(x: float | None) -> float | None:
+        return None if x is None else 100 * x
+
+    n_m = two.optimal_memory_interval_steps
+    return {
+        "memory_blocking_seconds": i.memory_blocking,
+        "memory_commit_latency_seconds": i.memory_commit_latency,
+        "memory_send_seconds": i.memory_send_seconds,
+        "in_place_restart_seconds": two.in_place_restart_seconds,
+        "node_loss_share": i.node_loss_share,
+        "memory_share": two.memory_share,
+        "durable_share": two.durable_share,
+        "badput_without_memory_percent": percent(two.badput_without),
+        "memory_interval_seconds_optimal": two.memory_interval_seconds,
+        "durable_interval_seconds_optimal": two.durable_interval_seconds,
+        "optimal_memory_interval_steps": n_m,
+        "optimal_memory_interval_seconds": None if n_m is None else n_m * step,
+        "optimal_durable_interval_steps": two.optimal_durable_interval_steps,
+        "optimal_durable_interval_seconds": two.optimal_durable_interval_steps * step,
+        "badput_with_memory_percent": percent(two.badput_with),
+        "memory_tier_pays": two.pays,
+        "recommended_memory_interval_steps": two.recommended_memory_interval_steps,
+        "recommended_durable_interval_steps": two.recommended_durable_interval_steps,
+        "break_even_memory_blocking_seconds": two.break_even_memory_blocking_seconds,
+        "configured_memory_interval_steps": two.configured_memory_interval_steps,
+        "configured_durable_interval_steps": two.configured_durable_interval_steps,
+        "configured_badput_percent": percent(two.configured_badput),
+        "failure_kinds": [
+            {"kind": k.kind, "share": k.share, "keeps": k.keeps,
+             "restart_seconds": k.restart_seconds,
+             "lost_seconds_without_memory": k.lost_seconds_without,
+             "lost_seconds_with_memory": k.lost_seconds_with,
+             "badput_percent_without_memory": 100 * k.badput_without,
+             "badput_percent_with_memory": 100 * k.badput_with}
+            for k in two.failure_kinds],
+        "memory_shards_per_rank": dict(two.memory_shards),
     }
 
 

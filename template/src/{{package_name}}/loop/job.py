@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     checkpointer: Checkpointer | None = None
     try:
         try:
-            checkpointer = Checkpointer.open(cfg, runtime, metrics, stop, allow=watchdog.allow)
+            checkpointer = Checkpointer.open(cfg, runtime, metrics, stop, allow=watchdog.allow,
+                                             continues=previous is not None)
             code, reason = _train(cfg, runtime, checkpointer, stop, watchdog, metrics, attempt,
                                   previous)
         except CheckpointRefused as exc:
@@ -220,6 +221,7 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: Stop
     metrics.event(Event.start, step=trainer.progress.step, world_size=runtime.world_size,
                   grad_accum_steps=trainer.split.grad_accum_steps,
                   resumed_from=resumed.path if resumed else None,
+                  resumed_tier=resumed.tier if resumed else None,
                   saved_world_size=resumed.world_size if resumed else None,
                   restart=attempt.restart, max_restarts=attempt.max_restarts,
                   cause=previous, failed_starts=failed_starts,

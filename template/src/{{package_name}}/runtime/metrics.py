@@ -29,6 +29,7 @@ class Event(str, enum.Enum):
     preemption = "preemption"                # a stop request was handled
     end = "end"                              # the run's exit status and why (rank 0)
     recovered = "recovered"                  # the first step after a start that followed a failure
+    memory_save = "memory_save"              # a memory copy committed (and sent to the partner)
     phase = "phase"                          # one phase of a start and its seconds (runtime/phases.py)
     hang = "hang"                            # a rank's watchdog fired (written by that rank)
     straggler = "straggler"                  # a rank slower than the others (rank 0)

@@ -57,7 +57,8 @@ from ..loop.sampling import BatchSizeError, split_global_batch
 from ..loop.task_contract import check_config, load_task
 from ..runtime import exit_codes
 from ..runtime.metrics import Event, EventTail
-from . import drill_nodes, drill_report
+from . import drill_memory, drill_nodes, drill_report
+from .drill_report import DrillError
 from .process_tree import kill_tree, process_tree
 
 DEFAULT_STEPS = 24
@@ -71,12 +72,9 @@ SMALL_MODEL = ("model.d_model=32", "model.n_layers=1")
 # The drill decides these itself; setting them would break the comparison.
 OWNED_KEYS = {"train.max_steps": "--steps", "checkpoint.dir": "--out", "log.dir": "--out"}
 MARKER = ".drill"
-OUTPUTS = ("reference", "interrupted", "report.json", "report.md", "loss.png")
+OUTPUTS = ("reference", "interrupted", "report.json", "report.md", "loss.png",
+           *drill_memory.OUTPUTS[1:])
 POLL_S = 0.01
-
-
-class DrillError(RuntimeError):
-    """A phase did not go as planned; the message says which and where its log is."""
 
 
 @dataclass
@@ -92,6 +90,7 @@ class Drill:
     cfg: Config
     timeout_s: float
     save_nodes: int = 1
+    tier: str = "durable"              # durable | memory (tools/drill_memory.py)
     kill: str = "job"                  # job | node
     lost_node: int | str | None = None   # --kill node: which node is lost (an index, "rank0")
     started: float = field(default_factory=time.monotonic)
@@ -145,9 +144,13 @@ def _wait(proc: subprocess.Popen, timeout_s: float, what: str, log_path: Path) -
 
 
 def run_to_end(drill: Drill, command: list[str], log_path: Path, what: str) -> None:
-    proc = _start(command, log_path)
+    finish(_start(command, log_path), drill.timeout_s, what, log_path)
+
+
+def finish(proc: subprocess.Popen, timeout_s: float, what: str, log_path: Path) -> None:
+    """Wait for a run that must end with exit status 0 (bounded)."""
     try:
-        code = _wait(proc, drill.timeout_s, what, log_path)
+        code = _wait(proc, timeout_s, what, log_path)
     except BaseException:
         if proc.poll() is None:  # Ctrl-C or an error here: leave no training behind
             kill_tree(proc.pid)
@@ -285,6 +288,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-nodes", type=positive_int, default=1, metavar="D",
                         help="nodes of the interrupted run, each its own torchrun agent on "
                              "this machine with N/D ranks (default 1)")
+    parser.add_argument("--tier", choices=("durable", "memory"), default="durable",
+                        help="durable (the default): one loss, resumed from durable storage; "
+                             "memory: the memory tier's three losses (a worker, a node, the "
+                             "job), each against the uninterrupted run (needs an even N >= 2 "
+                             "and M = N; --interrupt-at K is the durable interval, default "
+                             "S/3; memory copies every checkpoint.memory_interval_steps, "
+                             "default 1)")
     parser.add_argument("--kill", choices=("job", "node"), default="job",
                         help="what is lost: every process of the run (job, the default) or "
                              "one node's (node; needs --save-nodes 2 or more)")
@@ -314,6 +324,8 @@ def default_interval(k: int) -> int:
 
 def prepare(args: argparse.Namespace) -> Drill:
     """Check every argument before anything runs; raises ValueError with the reason."""
+    if args.tier == "memory":
+        return prepare_memory(args)
     k = args.interrupt_at if args.interrupt_at is not None else args.steps // 2
     if not 0 < k < args.steps:
         raise ValueError(f"--interrupt-at must be at least 1 and below --steps={args.steps}, "
@@ -339,6 +351,44 @@ def prepare(args: argparse.Namespace) -> Drill:
     return Drill(args.save_ranks, args.resume_ranks, args.steps, k, interval,
                  args.out.resolve(), config, overrides, cfg, float(args.timeout),
                  save_nodes=args.save_nodes, kill=args.kill, lost_node=drill_nodes.lost_node(args))
+
+
+def prepare_memory(args: argparse.Namespace) -> Drill:
+    """``--tier memory``: N = M, even; durable checkpoints every K, memory copies more often."""
+    if args.save_ranks != args.resume_ranks or args.save_ranks < 2 or args.save_ranks % 2:
+        raise ValueError("--tier memory needs --save-ranks N = --resume-ranks N, N even and at "
+                         "least 2 (memory copies are restored on the world size that made "
+                         "them; the node loss splits N over two nodes)")
+    if args.save_nodes != 1 or args.kill != "job" or args.lost_node is not None:
+        raise ValueError("--tier memory runs its own losses (a worker, a node, the job): "
+                         "leave out --save-nodes, --kill and --lost-node")
+    k = args.interrupt_at if args.interrupt_at is not None else args.steps // 3
+    if k < 3 or 2 * k > args.steps:
+        raise ValueError(f"--tier memory needs --interrupt-at K >= 3 with 2K <= --steps "
+                         f"({args.steps}): the losses come between steps K+2 and 2K-1 "
+                         f"(got K={k})")
+    for item in args.overrides:
+        key = item.split("=", 1)[0]
+        if key in {**OWNED_KEYS, "checkpoint.interval_steps": "--interrupt-at",
+                   "checkpoint.memory_dir": "the drill's own memory folders"}:
+            raise ValueError(f"{key} is set by the drill with --tier memory")
+    own = load_config(args.config, args.overrides).model
+    small = [item for item in SMALL_MODEL if item.split("=")[0].split(".", 1)[1] in own]
+    memory = [] if any(o.startswith("checkpoint.memory_interval_steps=")
+                       for o in args.overrides) else ["checkpoint.memory_interval_steps=1"]
+    overrides = [*small, f"checkpoint.interval_steps={k}", *memory, *args.overrides]
+    cfg = load_config(args.config, overrides)
+    check_config(load_task(), cfg)
+    every = cfg.checkpoint.memory_interval_steps
+    if not 1 <= every <= k - 2:
+        raise ValueError(f"checkpoint.memory_interval_steps={every}: --tier memory needs "
+                         f"1 to K-2 = {k - 2}, so that a memory copy is newer than the "
+                         f"durable checkpoint of step {k}")
+    split_global_batch(cfg.train.global_batch_size, cfg.train.micro_batch_size, args.save_ranks)
+    _check_devices(cfg, args.save_ranks)
+    config = str(Path(args.config).resolve()) if args.config else None
+    return Drill(args.save_ranks, args.resume_ranks, args.steps, k, k, args.out.resolve(),
+                 config, overrides, cfg, float(args.timeout), tier="memory")
 
 
 def _check_devices(cfg: Config, ranks: int) -> None:
@@ -377,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, BatchSizeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exit_codes.BAD_INPUT
+    if drill.tier == "memory":
+        return _main_memory(drill)
     drill.say(f"drill: {drill.save_ranks} rank(s) save, {drill.resume_ranks} rank(s) resume; "
               f"{drill.steps} steps, killed after the checkpoint of step {drill.interrupt_at} "
               f"(checkpoints every {drill.interval}); output in {drill.out}")
@@ -389,6 +441,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # the running job was killed on the way out
         drill.say("drill interrupted; its runs are stopped")
         return 128 + signal.SIGINT
+    drill.say(f"{'PASSED' if report['passed'] else 'FAILED'}: {report['verdict']}")
+    drill.say(f"report: {drill.out / 'report.md'}")
+    return 0 if report["passed"] else exit_codes.FAILED
+
+
+def _main_memory(drill: Drill) -> int:
+    drill.say(f"drill of the memory tier: {drill.save_ranks} ranks, {drill.steps} steps, durable "
+              f"checkpoints every {drill.interval}; output in {drill.out}")
+    try:
+        report = drill_memory.run(drill, _start, finish)
+    except DrillError as exc:
+        drill_report.failure(drill, str(exc))
+        drill.say(f"drill failed: {exc}")
+        return exit_codes.FAILED
+    except KeyboardInterrupt:
+        drill.say("drill interrupted; its runs are stopped")
+        return 128 + signal.SIGINT
+    finally:
+        drill_memory.clear(drill)
     drill.say(f"{'PASSED' if report['passed'] else 'FAILED'}: {report['verdict']}")
     drill.say(f"report: {drill.out / 'report.md'}")
     return 0 if report["passed"] else exit_codes.FAILED

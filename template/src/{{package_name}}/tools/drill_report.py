@@ -23,6 +23,10 @@ from ..runtime.metrics import Event, read_events
 RESHARD_REL_TOL = 1e-4
 
 
+class DrillError(RuntimeError):
+    """A phase did not go as planned; the message says which and where its log is."""
+
+
 @dataclass
 class Run:
     """The events of one training process group, from its ``start`` event on."""
@@ -179,7 +183,7 @@ def build(drill, kill: dict[str, Any]) -> dict[str, Any]:
         "commands": _shell_commands(drill),
     }
     report["plot"] = plot(drill.out / "loss.png", reference, before, after, report)
-    _write(drill.out, report, render_markdown(report))
+    write_report(drill.out, report, render_markdown(report))
     return report
 
 
@@ -204,7 +208,7 @@ def failure(drill, error: str) -> dict[str, Any]:
               "commands": _shell_commands(drill)}
     text = (f"# Interruption drill: {drill.save_ranks} → {drill.resume_ranks} rank(s)\n\n"
             f"**FAILED** — {error}\n\n" + _commands_md(report))
-    _write(drill.out, report, text)
+    write_report(drill.out, report, text)
     return report
 
 
@@ -212,12 +216,12 @@ def _shell_commands(drill) -> dict[str, str]:
     return {name: shlex.join(cmd) for name, cmd in drill.commands.items()}
 
 
-def _write(out: Path, report: dict[str, Any], markdown: str) -> None:
+def write_report(out: Path, report: dict[str, Any], markdown: str) -> None:
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     (out / "report.md").write_text(markdown, encoding="utf-8")
 
 
-def _num(value: float | None, spec: str = ".3g") -> str:
+def num(value: float | None, spec: str = ".3g") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
@@ -239,15 +243,15 @@ def render_markdown(r: dict[str, Any]) -> str:
                                  f"rank(s) → {r['resume_grad_accum_steps']} on "
                                  f"{r['resume_world_size']} (global batch "
                                  f"{r['global_batch_size']}, unchanged)",
-        "resume time": f"{_num(r['resume_seconds'], '.1f')} s from the kill to the first step "
-                       f"after it ({_num(r['resume_to_start_seconds'], '.1f')} s to the start)",
-        "throughput (median)": f"{_num(r['samples_per_s_before'], ',.1f')} samples/s before, "
-                               f"{_num(r['samples_per_s_after'], ',.1f')} after",
-        "max loss difference": f"{_num(r['max_abs_loss_diff'])} absolute, "
-                               f"{_num(r['max_rel_loss_diff'])} relative",
-        "max grad-norm difference": f"{_num(r['max_abs_grad_norm_diff'])} absolute, "
-                                    f"{_num(r['max_rel_grad_norm_diff'])} relative",
-        "before the kill": f"max loss difference {_num(r['before_kill_max_abs_loss_diff'])} "
+        "resume time": f"{num(r['resume_seconds'], '.1f')} s from the kill to the first step "
+                       f"after it ({num(r['resume_to_start_seconds'], '.1f')} s to the start)",
+        "throughput (median)": f"{num(r['samples_per_s_before'], ',.1f')} samples/s before, "
+                               f"{num(r['samples_per_s_after'], ',.1f')} after",
+        "max loss difference": f"{num(r['max_abs_loss_diff'])} absolute, "
+                               f"{num(r['max_rel_loss_diff'])} relative",
+        "max grad-norm difference": f"{num(r['max_abs_grad_norm_diff'])} absolute, "
+                                    f"{num(r['max_rel_grad_norm_diff'])} relative",
+        "before the kill": f"max loss difference {num(r['before_kill_max_abs_loss_diff'])} "
                            "against the reference (0: this machine is deterministic)",
     }
     if loss:

@@ -1,0 +1,301 @@
+"""The memory tier's copies: one rank's training state in shared memory of its node.
+
+A node's copies live under ``checkpoint.memory_dir`` (default /dev/shm, a tmpfs: RAM),
+in a folder of their own per run (``run_folder``): files there outlive the worker that
+wrote them, so the workers torchrun restarts in place find them, and vanish with the
+node. Each rank's state has two slots on a node, used in turn, so one complete copy
+survives while the next is written:
+
+    <memory_dir>/<package>-<hash of checkpoint.dir>/rank-<r>/slot-<0|1>/
+        data          every tensor's bytes, back to back (64-byte aligned)
+        skeleton.pt   everything else, with each tensor as {MARK: index} (torch.save)
+        commit.json   written last, removed first: the slot holds a copy only with it
+
+A copy has the same commit rules as a durable checkpoint: the commit record lists the
+sizes and the CRC-32 of every block (``integrity``), and a copy is loaded only when
+every block matches; a copy cut off while written has no commit record and is never
+used. Writing a copy is the one memory copy of the state the training loop waits for
+(``Slot.stage``: straight into the slot's mapped file, whose pages stay allocated from
+one save to the next); its checksums and commit record are written by the tier's
+thread (``memory_tier``), which also sends the copy to the partner node
+(``partners``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import mmap
+import os
+import shutil
+import time
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .. import PACKAGE
+from .integrity import ALGORITHM, BLOCK_BYTES, ChecksumMismatch, mismatch
+
+RECORD, DATA, SKELETON = "commit.json", "data", "skeleton.pt"
+SLOTS = 2          # copies of one rank's state a node holds: the newest complete, the next
+ALIGN = 64
+MARK = "__memory_tier_tensor__"
+FORMAT = 1
+
+
+class MemoryCopyError(RuntimeError):
+    """A memory copy cannot be written or used; the message says which and why."""
+
+
+def run_folder(memory_dir: str, checkpoint_dir: str) -> Path:
+    """This run's folder of copies on this node: one per checkpoint.dir."""
+    key = checkpoint_dir if "://" in checkpoint_dir else os.path.abspath(checkpoint_dir)
+    return Path(memory_dir) / f"{PACKAGE}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+# ------------------------------------------------------------ the state --
+def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The state's ``state_dict()`` trees with every tensor replaced by {MARK: index},
+    and the tensors (a DTensor's local shard), in order."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value.to_local() if isinstance(value, DTensor) else value)
+            return {MARK: len(tensors) - 1}
+        if isinstance(value, dict):
+            return {key: walk(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(item) for item in value)
+        return value
+
+    return {key: walk(part.state_dict()) for key, part in state.items()}, tensors
+
+
+def table_of(tensors: list[torch.Tensor]) -> tuple[list[list[Any]], int]:
+    """Where each tensor goes in ``data``: [offset, nbytes, dtype, shape]; the total size."""
+    table, offset = [], 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        table.append([offset, nbytes, str(tensor.dtype).removeprefix("torch."),
+                      list(tensor.shape)])
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return table, offset
+
+
+def _view(buffer: Any, entry: list[Any]) -> torch.Tensor:
+    offset, nbytes, dtype, shape = entry
+    dtype = getattr(torch, dtype)
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+    return raw.view(dtype).reshape(shape)
+
+
+def block_crcs(buffer: Any, size: int) -> list[str]:
+    view = memoryview(buffer)[:size]
+    return [f"{zlib.crc32(view[i:i + BLOCK_BYTES]):08x}" for i in range(0, size, BLOCK_BYTES)]
+
+
+# -------------------------------------------------------------- a slot --
+@dataclass
+class Copy:
+    """A complete copy: whose state (``rank``), of which step, where."""
+
+    rank: int
+    step: int
+    path: Path
+    record: dict[str, Any]
+
+
+class Slot:
+    """One slot of one rank's state on this node (a folder and its mapped data file)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._map: mmap.mmap | None = None
+
+    # -- reading what is there --
+    def complete(self) -> Copy | None:
+        """The copy here when its commit record is present and the sizes agree."""
+        try:
+            record = json.loads((self.path / RECORD).read_text())
+            sizes = record["sizes"]
+            if any((self.path / name).stat().st_size != sizes[name] for name in (DATA, SKELETON)):
+                return None
+            return Copy(int(record["rank"]), int(record["step"]), self.path, record)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    # -- writing a copy --
+    def buffer(self, size: int) -> Any:
+        """This slot's data file, ``size`` bytes, mapped for writing; the commit record is
+        removed first, so the slot holds no copy until ``commit``."""
+        self.uncommit()
+        self.path.mkdir(parents=True, exist_ok=True)
+        if self._map is None or len(self._map) != max(size, 1):
+            self.close()
+            fd = os.open(self.path / DATA, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                self._map = mmap.mmap(fd, max(size, 1))
+            finally:
+                os.close(fd)
+        return self._map
+
+    def stage(self, tensors: list[torch.Tensor]) -> list[list[Any]]:
+        """Copy the tensors into this slot (the one copy training waits for); the table."""
+        table, size = table_of(tensors)
+        buffer = self.buffer(size)
+        with torch.no_grad():
+            for tensor, entry in zip(tensors, table):
+                if entry[1]:
+                    _view(buffer, entry).copy_(tensor)
+        return table
+
+    def commit(self, *, rank: int, step: int, table: list[list[Any]], skeleton: bytes,
+               extra: dict[str, Any]) -> Copy:
+        """Checksums, the skeleton and, last, the commit record (a rename)."""
+        size = table_of_size(table)
+        (self.path / SKELETON).write_bytes(skeleton)
+        record = {"format": FORMAT, "rank": rank, "step": step, "created": time.time(),
+                  "table": table, "sizes": {DATA: size, SKELETON: len(skeleton)},
+                  "checksum": {"algorithm": ALGORITHM, "block_bytes": BLOCK_BYTES},
+                  "crc32": {DATA: block_crcs(self._map, size) if size else [],
+                            SKELETON: [f"{zlib.crc32(skeleton):08x}"]}, **extra}
+        self.write_record(record)
+        return Copy(rank, step, self.path, record)
+
+    def write_record(self, record: dict[str, Any]) -> None:
+        temporary = self.path / (RECORD + ".tmp")
+        temporary.write_text(json.dumps(record))
+        os.replace(temporary, self.path / RECORD)
+
+    def uncommit(self) -> None:
+        try:
+            (self.path / RECORD).unlink()
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
+def table_of_size(table: list[list[Any]]) -> int:
+    if not table:
+        return 0
+    offset, nbytes = table[-1][0], table[-1][1]
+    return offset + -(-nbytes // ALIGN) * ALIGN
+
+
+# ------------------------------------------------------------- loading --
+def read_copy(copy: Copy, *, check: bool = True) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The copy's skeleton and tensors (views of the mapped file), every block checked
+    against the commit record first. Raises ChecksumMismatch or MemoryCopyError."""
+    record = copy.record
+    size = record["sizes"][DATA]
+    with open(copy.path / DATA, "rb") as handle:
+        data = mmap.mmap(handle.fileno(), max(size, 1), access=mmap.ACCESS_READ)
+    skeleton = (copy.path / SKELETON).read_bytes()
+    if check:
+        for name, blocks in ((DATA, block_crcs(data, size)),
+                             (SKELETON, [f"{zlib.crc32(skeleton):08x}"])):
+            recorded = record["crc32"][name]
+            for index, (crc, want) in enumerate(zip(blocks, recorded)):
+                if crc != want:
+                    begin = index * BLOCK_BYTES
+                    length = min(BLOCK_BYTES, record["sizes"][name] - begin)
+                    raise ChecksumMismatch(mismatch(f"{copy.path / name}", begin, length,
+                                                    int(crc, 16), want))
+            if len(blocks) != len(recorded):
+                raise ChecksumMismatch(f"{copy.path / name} has {len(blocks)} checksum "
+                                       f"blocks, its commit.json recorded {len(recorded)}")
+    try:
+        tree = torch.load(io.BytesIO(skeleton), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - one sentence for any unreadable skeleton
+        raise MemoryCopyError(f"{copy.path / SKELETON} cannot be read: {exc}") from None
+    # Read-only views: the tensors are only ever copied from.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # "the buffer is not writable"
+        tensors = [_view(data, entry) for entry in record["table"]]
+    return tree, tensors
+
+
+@dataclass
+class Fitted:
+    """A copy matched to the live state, nothing written yet (``apply`` writes it)."""
+
+    merged: dict[str, Any]
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def fit(state: dict[str, Any], tree: dict[str, Any], tensors: list[torch.Tensor]) -> Fitted:
+    """Match a copy to the live state: every tensor checked against its live counterpart
+    (shape and dtype). Raises MemoryCopyError when the copy does not fit."""
+    if set(tree) != set(state):
+        raise MemoryCopyError(f"the copy holds {sorted(tree)}, training has {sorted(state)}")
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def merge(saved: Any, live: Any, where: str) -> Any:
+        if isinstance(saved, dict) and set(saved) == {MARK}:
+            source = tensors[saved[MARK]]
+            target = live.to_local() if isinstance(live, DTensor) else live
+            if not isinstance(target, torch.Tensor) or target.shape != source.shape \
+                    or target.dtype != source.dtype:
+                got = (f"{tuple(target.shape)} {target.dtype}"
+                       if isinstance(target, torch.Tensor) else type(target).__name__)
+                raise MemoryCopyError(f"{where} is {tuple(source.shape)} {source.dtype} in the "
+                                      f"copy and {got} in training")
+            pairs.append((target, source))
+            return live
+        if isinstance(saved, dict):
+            live = live if isinstance(live, dict) else {}
+            return {key: merge(value, live.get(key), f"{where}.{key}")
+                    for key, value in saved.items()}
+        if isinstance(saved, (list, tuple)):
+            live = live if isinstance(live, (list, tuple)) and len(live) == len(saved) \
+                else [None] * len(saved)
+            return type(saved)(merge(s, v, f"{where}[{i}]")
+                               for i, (s, v) in enumerate(zip(saved, live)))
+        return saved
+
+    merged = {key: merge(tree[key], part.state_dict(), key) for key, part in state.items()}
+    return Fitted(merged, pairs)
+
+
+def apply(state: dict[str, Any], fitted: Fitted) -> None:
+    """Copy a fitted copy into the live tensors, then each part's ``load_state_dict``."""
+    with torch.no_grad():
+        for target, source in fitted.pairs:
+            target.copy_(source)
+    for key, part in state.items():
+        part.load_state_dict(fitted.merged[key])
+
+
+# -------------------------------------------------------- a node's copies --
+def slots_of(folder: Path, rank: int) -> list[Slot]:
+    return [Slot(folder / f"rank-{rank}" / f"slot-{i}") for i in range(SLOTS)]
+
+
+def inventory(folder: Path, world_size: int) -> dict[tuple[int, int], Copy]:
+    """The complete copies on this node of this world size: (rank, step) -> copy."""
+    found: dict[tuple[int, int], Copy] = {}
+    for rank in range(world_size):
+        for slot in slots_of(folder, rank):
+            copy = slot.complete()
+            if copy is not None and copy.rank == rank \
+                    and copy.record.get("world_size") == world_size:
+                found[(rank, copy.step)] = copy
+    return found
+
+
+def free(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)

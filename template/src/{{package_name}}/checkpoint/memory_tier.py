@@ -1,0 +1,303 @@
+"""The memory tier: a copy of the training state every ``checkpoint.memory_interval_steps``
+in RAM of its node and of a partner node, and a start from the nearest complete copy.
+
+Three failures, three places the state survives (docs/RECOVERY.md, "The memory tier"):
+
+    a worker dies, the node lives     its node's copy (``memory``)    restart in place
+    a node is lost                    the partner node's copy         ``partners``
+    the whole job is lost             durable storage only            as without the tier
+
+At a step boundary the loop waits for one copy of the state into the slot (``save``);
+the tier's thread then writes its checksums and commit record and sends it to the
+partner, while training goes on. A round starts only when every rank's previous round
+is over (one flag, agreed), so the ranks are never more than one copy apart and the
+two slots always keep one complete copy every rank has.
+
+A start (``restore``) compares the copies every rank can reach, on its own node or on
+the node that holds its partner copies, with the newest durable checkpoint: the newest
+step every rank has in memory wins when it is not older than the durable one. A rank
+whose copy is on another node receives it first (checked against its commit record);
+every rank checks its copy and whether it fits before any rank loads, so a copy that
+fails anywhere falls back to durable storage with nothing changed. Copies are used only
+by a start that continues a run (its attempt records say a start ran before); any
+other start clears them. They are freed when the job ends with its final state
+committed to durable storage; after a failure they stay for the restart.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..runtime import phases
+from ..runtime.distributed import Runtime, any_rank
+from ..runtime.metrics import Event, MetricsLog
+from ..runtime.phases import Phase
+from .layout import Committed
+from .memory import (
+    Copy,
+    MemoryCopyError,
+    Slot,
+    apply,
+    fit,
+    flatten,
+    free,
+    inventory,
+    read_copy,
+    run_folder,
+    slots_of,
+)
+from .partners import Partners, Receipt, Sending, gather_identities
+
+log = logging.getLogger(__name__)
+
+
+class MemoryTierUnusable(ValueError):
+    """checkpoint.memory_dir cannot hold the copies (exit status 2)."""
+
+
+@dataclass
+class Round:
+    """What one memory save measured (rank 0 logs it as a ``memory_save`` event)."""
+
+    step: int
+    stall_s: float
+    bytes: int
+    commit_s: float = 0.0
+    replicate_s: float = 0.0
+    error: str | None = None
+
+
+class MemoryTier:
+    def __init__(self, cfg: Config, runtime: Runtime, metrics: MetricsLog, folder: Path,
+                 partners: Partners, group: Any) -> None:
+        self.interval = cfg.checkpoint.memory_interval_steps
+        self.timeout_s = cfg.checkpoint.wait_timeout_s
+        self.runtime, self.metrics, self.folder = runtime, metrics, folder
+        self.partners, self.group = partners, group
+        self.rank = runtime.rank
+        self._slots: dict[int, list[Slot]] = {}
+        self._thread: threading.Thread | None = None
+        self.rounds: list[Round] = []
+        self.skipped = 0
+
+    # ------------------------------------------------------------------ start --
+    @classmethod
+    def open(cls, cfg: Config, runtime: Runtime, metrics: MetricsLog, *,
+             continues: bool) -> MemoryTier | None:
+        """The tier of this job, or None when checkpoint.memory_interval_steps is 0 (every
+        rank calls this). A start that does not continue a run clears the node's copies
+        of this checkpoint.dir."""
+        ckpt = cfg.checkpoint
+        if ckpt.memory_interval_steps == 0:
+            return None
+        folder = run_folder(ckpt.memory_dir, ckpt.dir)
+        if not continues and runtime.local_rank == 0:
+            free(folder)
+        any_rank(False)   # cleared before any rank of the node writes there
+        error = None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / f".probe-{runtime.rank}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            error = (f"checkpoint.memory_dir={ckpt.memory_dir} cannot hold the memory copies "
+                     f"({exc.strerror or exc}); use a writable tmpfs such as /dev/shm or set "
+                     "checkpoint.memory_interval_steps=0")
+        (failed,) = any_rank(error is not None)
+        if failed:
+            raise MemoryTierUnusable(error or "checkpoint.memory_dir cannot hold the memory "
+                                     "copies on another rank")
+        partners = Partners.of(gather_identities(ckpt.memory_dir))
+        group = None
+        if partners.nodes > 1:   # the tier's own group: its thread never meets training's
+            group = dist.new_group(backend="gloo",
+                                   timeout=datetime.timedelta(seconds=ckpt.wait_timeout_s))
+        return cls(cfg, runtime, metrics, folder, partners, group)
+
+    def slots(self, rank: int) -> list[Slot]:
+        if rank not in self._slots:
+            self._slots[rank] = slots_of(self.folder, rank)
+        return self._slots[rank]
+
+    def _next_slot(self, rank: int) -> Slot:
+        """The slot to write next: an empty one, else the one with the older copy."""
+        def age(slot: Slot) -> int:
+            copy = slot.complete()
+            return -1 if copy is None else copy.step
+        return min(self.slots(rank), key=age)
+
+    # ------------------------------------------------------------- each step --
+    def due(self, step: int) -> bool:
+        return step % self.interval == 0
+
+    def save(self, step: int, state: dict[str, Any], record: dict[str, Any]) -> Round | None:
+        """The memory save at ``step`` (every rank): one copy of the state into a slot,
+        then the commit and the partner's copy in the tier's thread. Skipped on every
+        rank, with a notice, while any rank's previous round is still under way."""
+        (busy,) = any_rank(self._thread is not None and self._thread.is_alive())
+        if busy:
+            self.skipped += 1
+            if self.skipped == 1:
+                self.metrics.say(f"notice: memory copy of step {step} skipped: the previous "
+                                 "one is still being committed or sent to the partner node")
+            return None
+        began = time.perf_counter()
+        tree, tensors = flatten(state)
+        slot = self._next_slot(self.rank)
+        table = slot.stage(tensors)
+        skeleton = io.BytesIO()
+        torch.save(tree, skeleton)
+        done = Round(step, time.perf_counter() - began, table[-1][0] + table[-1][1] if table else 0)
+        extra = {"world_size": self.runtime.world_size,
+                 "device_type": self.runtime.device.type, "training": record}
+        self._thread = threading.Thread(
+            target=self._round, args=(done, slot, table, skeleton.getvalue(), extra),
+            name="memory-tier", daemon=True)
+        self._thread.start()
+        return done
+
+    def _round(self, done: Round, slot: Slot, table: list, skeleton: bytes,
+               extra: dict[str, Any]) -> None:
+        own: Copy | None = None
+        try:
+            began = time.perf_counter()
+            own = slot.commit(rank=self.rank, step=done.step, table=table, skeleton=skeleton,
+                              extra=extra)
+            done.commit_s = time.perf_counter() - began
+        except Exception as exc:  # noqa: BLE001 - a failed copy costs only this copy
+            done.error = f"commit: {exc}"
+        if self.group is not None:
+            began = time.perf_counter()
+            try:
+                self._exchange(own)
+            except Exception as exc:  # noqa: BLE001 - a partner lost mid-round, damage
+                done.error = f"{done.error + '; ' if done.error else ''}partner copy: {exc}"
+            done.replicate_s = time.perf_counter() - began
+        if done.error:
+            log.warning("memory copy of step %d: %s", done.step, done.error)
+        self.rounds.append(done)
+        self.metrics.event(Event.memory_save, step=done.step, stall_s=done.stall_s,
+                           commit_s=done.commit_s, replicate_s=done.replicate_s,
+                           bytes=done.bytes, nodes=self.partners.nodes, error=done.error)
+
+    def _exchange(self, own: Copy | None) -> None:
+        """Send this rank's copy to its partner; receive the copies this rank holds."""
+        receipts = [Receipt(source, self._next_slot(source), self.group)
+                    for source in self.partners.sources(self.rank)]
+        partner = self.partners.partner[self.rank]
+        sending = Sending(own, partner, self.group) if partner is not None else None
+        failures = []
+        for receipt in receipts:
+            try:
+                receipt.finish()
+            except Exception as exc:  # noqa: BLE001 - the others still count
+                failures.append(f"from rank {receipt.source}: {exc}")
+        if sending is not None:
+            sending.wait()
+        if failures:
+            raise MemoryCopyError("; ".join(failures))
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """The round under way is over (bounded); False if it is not."""
+        if self._thread is not None:
+            self._thread.join(self.timeout_s if timeout_s is None else timeout_s)
+            return not self._thread.is_alive()
+        return True
+
+    # ---------------------------------------------------------------- restore --
+    def restore(self, state: dict[str, Any], durable_step: int | None) -> Committed | None:
+        """Load the newest copy every rank can reach when it is not older than
+        ``durable_step``; the copy as a Committed (``tier`` "memory"), or None."""
+        world = self.runtime.world_size
+        found = {key: copy for key, copy in inventory(self.folder, world).items()
+                 if copy.record.get("device_type") == self.runtime.device.type}
+        holders: dict[tuple[int, int], list[int]] = {}
+        for rank, keys in enumerate(_all_gather(sorted(found))):
+            for key in keys:
+                holders.setdefault(tuple(key), []).append(rank)
+        steps = sorted({step for _, step in holders}, reverse=True)
+        chosen = next((s for s in steps if all((r, s) in holders for r in range(world))
+                       and (durable_step is None or s >= durable_step)), None)
+        if chosen is None:
+            return None
+        error = None
+        mine = found.get((self.rank, chosen))
+        for rank in range(world):   # copies of a lost node's ranks, from their partners
+            where = holders[(rank, chosen)]
+            if rank in where:
+                continue
+            source = min(where)
+            try:
+                if self.rank == source:
+                    Sending(found[(rank, chosen)], rank).wait()
+                elif self.rank == rank:
+                    mine = Receipt(source, self._next_slot(rank)).finish()
+            except Exception as exc:  # noqa: BLE001 - every rank learns below
+                error = f"receiving it from rank {source}: {exc}"
+        fitted = None
+        if error is None:
+            try:
+                if mine is None:
+                    raise MemoryCopyError("no copy arrived")
+                fitted = fit(state, *read_copy(mine))
+            except (OSError, MemoryCopyError) as exc:
+                error = str(exc)
+        (failed,) = any_rank(error is not None)
+        phases.mark(Phase.checkpoint_chosen)
+        if failed:
+            self.metrics.say(f"warning: the memory copy of step {chosen} cannot be used "
+                             f"({error or 'on another rank'}); loading from durable storage")
+            return None
+        apply(state, fitted)
+        phases.mark(Phase.loaded)
+        received = sum(1 for r in range(world) if r not in holders[(r, chosen)])
+        where = "this node" if received == 0 else f"partner nodes ({received} rank(s))"
+        return Committed(step=chosen, name=f"memory copy of step {chosen}",
+                         path=f"{self.folder} (memory copy of step {chosen}, from {where})",
+                         record=dict(mine.record["training"]), tier="memory")
+
+    # -------------------------------------------------------------------- end --
+    def close(self, *, free_copies: bool) -> None:
+        """Wait for the round under way (bounded) and, when the job's final state is
+        durable, free this node's copies (every rank, then the folder)."""
+        self.wait()
+        for slots in self._slots.values():
+            for slot in slots:
+                slot.close()
+        if free_copies:
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.barrier()
+            if self.runtime.local_rank == 0:
+                free(self.folder)
+
+    def held_bytes(self) -> int:
+        """The bytes of copies this rank's slots hold on this node (its own, its sources')."""
+        total = 0
+        for slots in self._slots.values():
+            for slot in slots:
+                for name in ("data", "skeleton.pt"):
+                    try:
+                        total += (slot.path / name).stat().st_size
+                    except OSError:
+                        pass
+        return total
+
+
+def _all_gather(value: Any) -> list[Any]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
