@@ -6,16 +6,14 @@ The node-loss and whole-job cases run in ``drill --tier memory`` (tests/test_dri
 
 from __future__ import annotations
 
-import io
+import json
 import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
-from test_recovery import ROOT, losses, start_resume, worker
 
-from conftest import finish, project_module, read_events, run_module, wait_until
+from conftest import PACKAGE, project_module, run_module
 
 memory = project_module("checkpoint.memory")
 partners = project_module("checkpoint.partners")
@@ -49,9 +47,7 @@ def write_copy(folder: Path, state: dict, step: int, rank: int = 0) -> memory.Co
     tree, tensors = memory.flatten(state)
     slot = memory.slots_of(folder, rank)[0]
     table = slot.stage(tensors)
-    skeleton = io.BytesIO()
-    torch.save(tree, skeleton)
-    copy = slot.commit(rank=rank, step=step, table=table, skeleton=skeleton.getvalue(),
+    copy = slot.commit(rank=rank, step=step, table=table, skeleton=memory.encode(tree),
                        extra={"world_size": 1, "device_type": "cpu", "training": {}})
     slot.close()
     return copy
@@ -73,6 +69,16 @@ def test_a_copy_comes_back_bit_for_bit_into_the_live_state(tmp_path):
     assert torch.equal(live["rng"].loaded["rank0"]["cpu"], saved["rng"].values["rank0"]["cpu"])
 
 
+def test_the_skeleton_keeps_its_types_and_refuses_what_json_cannot_hold():
+    tree = {"app": {"betas": (0.9, 0.95), "by_index": {0: "a", 1: [1, 2.5, None, True]},
+                    "w": {memory.MARK: 3}, "inf": float("inf")}}
+    assert memory.decode(memory.encode(tree)) == tree
+    assert type(memory.decode(memory.encode(tree))["app"]["betas"]) is tuple
+    with pytest.raises(memory.MemoryCopyError, match=r"app.when is a datetime"):
+        import datetime
+        memory.encode({"app": {"when": datetime.datetime.now()}})
+
+
 def test_a_copy_without_its_record_or_with_a_changed_byte_is_never_used(tmp_path):
     copy = write_copy(tmp_path, state_of(0), step=7)
     assert memory.inventory(tmp_path, 1) == {(0, 7): copy}
@@ -84,8 +90,18 @@ def test_a_copy_without_its_record_or_with_a_changed_byte_is_never_used(tmp_path
         data.write(bytes([byte[0] ^ 1]))
     with pytest.raises(integrity.ChecksumMismatch, match="does not match its checksum"):
         memory.read_copy(copy)
+    memory.read_copy(copy, "none")   # checkpoint.verify: none reads the record and sizes only
     (copy.path / memory.RECORD).unlink()   # cut off before its commit record
     assert memory.inventory(tmp_path, 1) == {}
+
+
+def test_a_slot_holds_no_copy_from_the_moment_it_is_written_again(tmp_path):
+    copy = write_copy(tmp_path, state_of(0), step=7)
+    slot = memory.Slot(copy.path)
+    assert slot.complete() is not None
+    slot.buffer(copy.record["sizes"]["data"])   # a new copy starts: the old one is gone
+    assert slot.complete() is None and memory.inventory(tmp_path, 1) == {}
+    slot.close()
 
 
 def test_a_copy_of_another_shape_is_refused_before_anything_is_written(tmp_path):
@@ -123,32 +139,37 @@ def test_a_memory_dir_that_cannot_hold_copies_is_refused(tmp_path):
     assert "checkpoint.memory_dir" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_the_memory_drill_refuses_what_it_cannot_run(tmp_path):
+    result = run_module("drill", "--tier", "memory", "--save-ranks", "2", "--resume-ranks", "1",
+                        "--out", str(tmp_path / "d"), check=False)
+    assert result.returncode == 2 and "--resume-ranks N" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    result = run_module("drill", "--tier", "memory", "--save-ranks", "2", "--resume-ranks", "2",
+                        "--out", str(tmp_path / "d"), "checkpoint.memory_interval_steps=7",
+                        check=False)
+    assert result.returncode == 2 and "memory_interval_steps=7" in result.stderr, result.stderr
+
+
 # ----------------------------------------------------------- end to end --
 @pytest.mark.slow
-def test_a_killed_worker_restarts_from_its_node_memory_copy(tmp_path):
-    """Durable every 8 steps, memory every step: a worker killed at step 11 or later
-    restarts from the memory copy (newer than durable step 8), bit-identical."""
-    steps = ["train.max_steps=20", "checkpoint.interval_steps=8",
-             "checkpoint.memory_interval_steps=1"]
-    ref, ref_log = start_resume(ROOT, tmp_path / "reference", *steps)
-    assert finish(ref, 600) == 0, ref_log.read_text()[-3000:]
-    proc, log = start_resume(ROOT, tmp_path / "killed", *steps)
-    logs = tmp_path / "killed" / "logs"
-    wait_until(lambda: len(read_events(logs, "memory_save")) >= 11, proc, "11 memory copies",
-               log_file=log)
-    os.kill(worker(proc.pid, rank=1), signal.SIGKILL)
-    assert finish(proc, 600) == 0, log.read_text()[-3000:]
-    reference, got = losses(tmp_path / "reference" / "logs"), losses(logs)
-    assert sorted(got) == list(range(1, 21))
-    for step, values in got.items():
-        assert values == reference[step], (step, values, reference[step])   # bit-identical
-    starts = read_events(logs, "start")
-    assert [s["restart"] for s in starts] == [0, 1]
-    assert starts[1]["resumed_tier"] == "memory", starts[1]
-    assert starts[1]["step"] >= 10 and starts[1]["step"] % 8, starts[1]   # not a durable step
-    assert "memory copy of step" in starts[1]["resumed_from"]
-    # Freed once the final state is durable.
-    folder = memory.run_folder("/dev/shm", str(tmp_path / "killed" / "ckpt"))
-    assert not folder.exists()
-    saves = read_events(logs, "memory_save")
-    assert all(e["error"] is None and e["bytes"] > 0 for e in saves), saves
+def test_the_memory_drill_restarts_each_loss_from_its_tier(tmp_path):
+    """A worker killed: its node's copies; a node lost (its memory folder deleted): the
+    partner's copies on the other node; the job lost: durable storage. Each restart is
+    bit-identical to the uninterrupted run from its step on (the drill compares)."""
+    out = tmp_path / "drill"
+    result = run_module("drill", "--tier", "memory", "--save-ranks", "2", "--resume-ranks",
+                        "2", "--out", str(out), "recovery.rendezvous_timeout_s=15",
+                        timeout=900, check=False)
+    report = json.loads((out / "report.json").read_text())
+    assert result.returncode == 0 and report["passed"], (report, result.stdout[-3000:])
+    worker, node, job = (report["scenarios"][n] for n in ("worker", "node", "job"))
+    every, durable = report["memory_interval_steps"], report["durable_interval_steps"]
+    assert worker["resumed_tier"] == "memory" and "from this node" in worker["resumed_from"]
+    assert node["resumed_tier"] == "memory" and "from partner nodes" in node["resumed_from"]
+    assert node["survivor_exit"] == 74
+    for loss in (worker, node):
+        assert loss["resumed_from_step"] > durable and loss["steps_lost"] <= every, loss
+        assert loss["max_abs_loss_diff"] == 0 and loss["max_abs_grad_norm_diff"] == 0
+    assert job["resumed_tier"] == "durable" and job["resumed_from_step"] == durable
+    assert report["freed_at_end"]
+    assert not list(Path("/dev/shm").glob(f"{PACKAGE}-drill-*")), "the drill's copies stay"

@@ -396,6 +396,30 @@ def test_metrics_without_interval_saves_use_all_saves(model, tmp_path):
     assert measured.blocking_seconds == 50.0
 
 
+def test_metrics_give_the_memory_tier_its_measured_stall_and_send_time(run_plan, model,
+                                                                       tmp_path):
+    metrics = write_metrics(tmp_path / "metrics.jsonl", restart=False)
+    memory = [(0.9, 5.0, 5.0), (0.03, 0.02, 0.2), (0.05, 0.03, 0.1), (0.04, 0.01, 0.3)]
+    events = [{"event": "memory_save", "step": 20 + i, "stall_s": stall, "commit_s": commit,
+               "replicate_s": send, "error": None}   # the first of the start: a warm-up
+              for i, (stall, commit, send) in enumerate(memory)]
+    events.append({"event": "memory_save", "step": 30, "stall_s": 9.0, "commit_s": 9.0,
+                   "replicate_s": 9.0, "error": "lost"})
+    with open(metrics, "a", encoding="utf-8") as out:
+        out.writelines(json.dumps(e) + "\n" for e in events)
+    measured = model.read_metrics(metrics)
+    assert measured.memory_save_count == 3
+    assert measured.memory_blocking_seconds == 0.04
+    assert measured.memory_send_seconds == pytest.approx(0.22)
+    code, out, err = run_plan("--metrics", str(metrics), "--mtbi-hours", "8",
+                              "--restart-seconds", "120", "--badput-target-percent", "5",
+                              "--json")
+    assert code == 0, err
+    two = json.loads(out)["two_tier"]
+    assert two["memory_blocking_seconds"] == 0.04
+    assert two["memory_send_seconds"] == pytest.approx(0.22)
+
+
 @pytest.mark.parametrize(("content", "fragment"), [
     (None, "no such file"),
     ('{"event": "start"}\n', "no step events"),

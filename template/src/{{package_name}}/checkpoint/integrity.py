@@ -211,7 +211,7 @@ def check_contents(storage: Storage, name: str, record: dict[str, Any], mode: An
             check.problem = (f"{file_name}: commit.json lists {len(recorded)} checksum blocks "
                              f"for {size} bytes, expected {count}")
             return check
-        chosen = list(range(count)) if mode == "all" else _sample(count, rng)
+        chosen = list(range(count)) if mode == "all" else sample_blocks(count, rng)
         plan.append((file_name, size, recorded, chosen))
 
     def one_file(item: tuple[str, int, list[str], list[int]]) -> tuple[int, str]:
@@ -250,7 +250,8 @@ def parallel_map(function: Any, items: list[Any]) -> list[Any]:
         return list(pool.map(function, items))
 
 
-def _sample(count: int, rng: random.Random) -> list[int]:
+def sample_blocks(count: int, rng: random.Random) -> list[int]:
+    """The blocks a sampled check reads: the first, the last, one in SAMPLE_EVERY between."""
     if count <= 2:
         return list(range(count))
     middle = range(1, count - 1)

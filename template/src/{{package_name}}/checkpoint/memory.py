@@ -8,13 +8,16 @@ survives while the next is written:
 
     <memory_dir>/<package>-<hash of checkpoint.dir>/rank-<r>/slot-<0|1>/
         data          every tensor's bytes, back to back (64-byte aligned)
-        skeleton.pt   everything else, with each tensor as {MARK: index} (torch.save)
+        skeleton.json everything else, each tensor as {MARK: index} (``encode``: plain
+                      JSON, tuples and non-string keys tagged; no pickle)
         commit.json   written last, removed first: the slot holds a copy only with it
 
 A copy has the same commit rules as a durable checkpoint: the commit record lists the
-sizes and the CRC-32 of every block (``integrity``), and a copy is loaded only when
-every block matches; a copy cut off while written has no commit record and is never
-used. Writing a copy is the one memory copy of the state the training loop waits for
+sizes and the CRC-32 of every block (``integrity``); a copy cut off while written has
+no commit record and is never used. A copy that crossed the network (to the partner, or
+back to a replaced node) has every block checked before it is committed; a load checks
+as ``checkpoint.verify`` says (all: every block; sample: the skeleton and one data block
+in ``SAMPLE_EVERY``; none: the record and the sizes). Writing a copy is the one memory copy of the state the training loop waits for
 (``Slot.stage``: straight into the slot's mapped file, whose pages stay allocated from
 one save to the next); its checksums and commit record are written by the tier's
 thread (``memory_tier``), which also sends the copy to the partner node
@@ -24,10 +27,10 @@ thread (``memory_tier``), which also sends the copy to the partner node
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import mmap
 import os
+import random
 import shutil
 import time
 import warnings
@@ -40,12 +43,20 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import PACKAGE
-from .integrity import ALGORITHM, BLOCK_BYTES, ChecksumMismatch, mismatch
+from .integrity import (
+    ALGORITHM,
+    BLOCK_BYTES,
+    ChecksumMismatch,
+    mismatch,
+    parallel_map,
+    sample_blocks,
+)
 
-RECORD, DATA, SKELETON = "commit.json", "data", "skeleton.pt"
+RECORD, DATA, SKELETON = "commit.json", "data", "skeleton.json"
 SLOTS = 2          # copies of one rank's state a node holds: the newest complete, the next
 ALIGN = 64
-MARK = "__memory_tier_tensor__"
+MARK = "__tensor__"       # {MARK: i}: the i-th tensor in ``data``
+TUPLE, ITEMS = "__tuple__", "__items__"   # a tuple; a dict whose keys are not all strings
 FORMAT = 1
 
 
@@ -61,8 +72,9 @@ def run_folder(memory_dir: str, checkpoint_dir: str) -> Path:
 
 # ------------------------------------------------------------ the state --
 def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """The state's ``state_dict()`` trees with every tensor replaced by {MARK: index},
-    and the tensors (a DTensor's local shard), in order."""
+    """The state's ``state_dict()`` trees, made anew, with every tensor replaced by
+    {MARK: index}, and the tensors (a DTensor's local shard), in order. The tree shares
+    nothing mutable with training, so it can be encoded later, in another thread."""
     tensors: list[torch.Tensor] = []
 
     def walk(value: Any) -> Any:
@@ -76,6 +88,45 @@ def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
         return value
 
     return {key: walk(part.state_dict()) for key, part in state.items()}, tensors
+
+
+def encode(tree: Any) -> bytes:
+    """A flattened tree as JSON: tuples and dicts with keys other than strings tagged,
+    so that ``decode`` gives back the same types. Raises MemoryCopyError for a value
+    JSON cannot hold (the key named)."""
+    def walk(value: Any, where: str) -> Any:
+        if isinstance(value, dict):
+            if all(isinstance(key, str) for key in value):
+                return {key: walk(item, f"{where}.{key}") for key, item in value.items()}
+            return {ITEMS: [[walk(key, where), walk(item, f"{where}.{key}")]
+                            for key, item in value.items()]}
+        if isinstance(value, tuple):
+            return {TUPLE: [walk(item, f"{where}[{i}]") for i, item in enumerate(value)]}
+        if isinstance(value, list):
+            return [walk(item, f"{where}[{i}]") for i, item in enumerate(value)]
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise MemoryCopyError(f"{where} is a {type(value).__name__}, which a memory copy "
+                              "cannot hold (numbers, strings, lists, tuples, dicts and tensors)")
+
+    return json.dumps({key: walk(value, key) for key, value in tree.items()}).encode()
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    def walk(value: Any) -> Any:
+        if isinstance(value, dict):
+            if TUPLE in value and len(value) == 1:
+                return tuple(walk(item) for item in value[TUPLE])
+            if ITEMS in value and len(value) == 1:
+                return {walk(key): walk(item) for key, item in value[ITEMS]}
+            if MARK in value and len(value) == 1:
+                return value
+            return {key: walk(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [walk(item) for item in value]
+        return value
+
+    return walk(json.loads(data))
 
 
 def table_of(tensors: list[torch.Tensor]) -> tuple[list[list[Any]], int]:
@@ -98,9 +149,14 @@ def _view(buffer: Any, entry: list[Any]) -> torch.Tensor:
     return raw.view(dtype).reshape(shape)
 
 
-def block_crcs(buffer: Any, size: int) -> list[str]:
+def block_crcs(buffer: Any, size: int, blocks: list[int] | None = None) -> dict[int, str]:
+    """The CRC-32 of the blocks of ``buffer`` (all, or those listed), on several threads
+    (zlib releases the GIL)."""
     view = memoryview(buffer)[:size]
-    return [f"{zlib.crc32(view[i:i + BLOCK_BYTES]):08x}" for i in range(0, size, BLOCK_BYTES)]
+    chosen = range(-(-size // BLOCK_BYTES)) if blocks is None else blocks
+    crcs = parallel_map(
+        lambda i: f"{zlib.crc32(view[i * BLOCK_BYTES:(i + 1) * BLOCK_BYTES]):08x}", chosen)
+    return dict(zip(chosen, crcs))
 
 
 # -------------------------------------------------------------- a slot --
@@ -120,6 +176,7 @@ class Slot:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._map: mmap.mmap | None = None
+        self._views: tuple[list[list[Any]], list[torch.Tensor]] | None = None
 
     # -- reading what is there --
     def complete(self) -> Copy | None:
@@ -141,6 +198,7 @@ class Slot:
         self.path.mkdir(parents=True, exist_ok=True)
         if self._map is None or len(self._map) != max(size, 1):
             self.close()
+            self._views = None
             fd = os.open(self.path / DATA, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 os.ftruncate(fd, size)
@@ -153,10 +211,12 @@ class Slot:
         """Copy the tensors into this slot (the one copy training waits for); the table."""
         table, size = table_of(tensors)
         buffer = self.buffer(size)
+        if self._views is None or self._views[0] != table:   # the same layout: same views
+            self._views = (table, [_view(buffer, entry) for entry in table])
         with torch.no_grad():
-            for tensor, entry in zip(tensors, table):
-                if entry[1]:
-                    _view(buffer, entry).copy_(tensor)
+            for target, tensor in zip(self._views[1], tensors):
+                if target.numel():
+                    target.copy_(tensor)
         return table
 
     def commit(self, *, rank: int, step: int, table: list[list[Any]], skeleton: bytes,
@@ -167,7 +227,7 @@ class Slot:
         record = {"format": FORMAT, "rank": rank, "step": step, "created": time.time(),
                   "table": table, "sizes": {DATA: size, SKELETON: len(skeleton)},
                   "checksum": {"algorithm": ALGORITHM, "block_bytes": BLOCK_BYTES},
-                  "crc32": {DATA: block_crcs(self._map, size) if size else [],
+                  "crc32": {DATA: list(block_crcs(self._map, size).values()),
                             SKELETON: [f"{zlib.crc32(skeleton):08x}"]}, **extra}
         self.write_record(record)
         return Copy(rank, step, self.path, record)
@@ -197,30 +257,34 @@ def table_of_size(table: list[list[Any]]) -> int:
 
 
 # ------------------------------------------------------------- loading --
-def read_copy(copy: Copy, *, check: bool = True) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """The copy's skeleton and tensors (views of the mapped file), every block checked
-    against the commit record first. Raises ChecksumMismatch or MemoryCopyError."""
+def read_copy(copy: Copy, check: str = "all") -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The copy's skeleton and tensors (views of the mapped file), checked first as
+    ``check`` says (all | sample | none). Raises ChecksumMismatch or MemoryCopyError."""
     record = copy.record
     size = record["sizes"][DATA]
     with open(copy.path / DATA, "rb") as handle:
-        data = mmap.mmap(handle.fileno(), max(size, 1), access=mmap.ACCESS_READ)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)   # one fault, not one a page
+        data = mmap.mmap(handle.fileno(), max(size, 1), flags=flags, prot=mmap.PROT_READ)
     skeleton = (copy.path / SKELETON).read_bytes()
-    if check:
-        for name, blocks in ((DATA, block_crcs(data, size)),
-                             (SKELETON, [f"{zlib.crc32(skeleton):08x}"])):
-            recorded = record["crc32"][name]
-            for index, (crc, want) in enumerate(zip(blocks, recorded)):
-                if crc != want:
-                    begin = index * BLOCK_BYTES
-                    length = min(BLOCK_BYTES, record["sizes"][name] - begin)
-                    raise ChecksumMismatch(mismatch(f"{copy.path / name}", begin, length,
-                                                    int(crc, 16), want))
-            if len(blocks) != len(recorded):
-                raise ChecksumMismatch(f"{copy.path / name} has {len(blocks)} checksum "
-                                       f"blocks, its commit.json recorded {len(recorded)}")
+    if check != "none":
+        recorded = record["crc32"][DATA]
+        if len(recorded) != -(-size // BLOCK_BYTES):
+            raise ChecksumMismatch(f"{copy.path / DATA}: its commit.json records "
+                                   f"{len(recorded)} blocks for {size:,} bytes")
+        blocks = None if check == "all" else sample_blocks(len(recorded), random.Random())
+        for index, crc in block_crcs(data, size, blocks).items():
+            if crc != recorded[index]:
+                begin = index * BLOCK_BYTES
+                raise ChecksumMismatch(mismatch(f"{copy.path / DATA}", begin,
+                                                min(BLOCK_BYTES, size - begin), int(crc, 16),
+                                                recorded[index]))
+        crc, want = f"{zlib.crc32(skeleton):08x}", record["crc32"][SKELETON][0]
+        if crc != want:
+            raise ChecksumMismatch(mismatch(f"{copy.path / SKELETON}", 0, len(skeleton),
+                                            int(crc, 16), want))
     try:
-        tree = torch.load(io.BytesIO(skeleton), weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - one sentence for any unreadable skeleton
+        tree = decode(skeleton)
+    except ValueError as exc:
         raise MemoryCopyError(f"{copy.path / SKELETON} cannot be read: {exc}") from None
     # Read-only views: the tensors are only ever copied from.
     with warnings.catch_warnings():
@@ -288,7 +352,8 @@ def slots_of(folder: Path, rank: int) -> list[Slot]:
 def inventory(folder: Path, world_size: int) -> dict[tuple[int, int], Copy]:
     """The complete copies on this node of this world size: (rank, step) -> copy."""
     found: dict[tuple[int, int], Copy] = {}
-    for rank in range(world_size):
+    ranks = sorted(int(p.name[5:]) for p in folder.glob("rank-*") if p.name[5:].isdigit())
+    for rank in (r for r in ranks if r < world_size):
         for slot in slots_of(folder, rank):
             copy = slot.complete()
             if copy is not None and copy.rank == rank \

@@ -27,7 +27,6 @@ committed to durable storage; after a failure they stay for the restart.
 from __future__ import annotations
 
 import datetime
-import io
 import logging
 import threading
 import time
@@ -35,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..config import Config
@@ -45,10 +43,13 @@ from ..runtime.metrics import Event, MetricsLog
 from ..runtime.phases import Phase
 from .layout import Committed
 from .memory import (
+    DATA,
+    SKELETON,
     Copy,
     MemoryCopyError,
     Slot,
     apply,
+    encode,
     fit,
     flatten,
     free,
@@ -83,10 +84,12 @@ class MemoryTier:
                  partners: Partners, group: Any) -> None:
         self.interval = cfg.checkpoint.memory_interval_steps
         self.timeout_s = cfg.checkpoint.wait_timeout_s
+        self.verify = str(getattr(cfg.checkpoint.verify, "value", cfg.checkpoint.verify))
         self.runtime, self.metrics, self.folder = runtime, metrics, folder
         self.partners, self.group = partners, group
         self.rank = runtime.rank
         self._slots: dict[int, list[Slot]] = {}
+        self._newest: dict[int, Slot] = {}   # the slot of each rank's newest complete copy
         self._thread: threading.Thread | None = None
         self.rounds: list[Round] = []
         self.skipped = 0
@@ -132,11 +135,21 @@ class MemoryTier:
         return self._slots[rank]
 
     def _next_slot(self, rank: int) -> Slot:
-        """The slot to write next: an empty one, else the one with the older copy."""
+        """The slot to write next: not the one with the newest complete copy (known after
+        a round from what it committed; at the start, from the commit records)."""
+        slots = self.slots(rank)
+        if rank in self._newest:
+            return slots[1 - slots.index(self._newest[rank])]
+
         def age(slot: Slot) -> int:
             copy = slot.complete()
             return -1 if copy is None else copy.step
-        return min(self.slots(rank), key=age)
+        return min(slots, key=age)
+
+    def _committed(self, rank: int, copy: Copy | None) -> Copy | None:
+        if copy is not None:
+            self._newest[rank] = next(s for s in self.slots(rank) if s.path == copy.path)
+        return copy
 
     # ------------------------------------------------------------- each step --
     def due(self, step: int) -> bool:
@@ -157,24 +170,23 @@ class MemoryTier:
         tree, tensors = flatten(state)
         slot = self._next_slot(self.rank)
         table = slot.stage(tensors)
-        skeleton = io.BytesIO()
-        torch.save(tree, skeleton)
         done = Round(step, time.perf_counter() - began, table[-1][0] + table[-1][1] if table else 0)
         extra = {"world_size": self.runtime.world_size,
                  "device_type": self.runtime.device.type, "training": record}
         self._thread = threading.Thread(
-            target=self._round, args=(done, slot, table, skeleton.getvalue(), extra),
+            target=self._round, args=(done, slot, table, tree, extra),
             name="memory-tier", daemon=True)
         self._thread.start()
         return done
 
-    def _round(self, done: Round, slot: Slot, table: list, skeleton: bytes,
+    def _round(self, done: Round, slot: Slot, table: list, tree: dict[str, Any],
                extra: dict[str, Any]) -> None:
         own: Copy | None = None
         try:
             began = time.perf_counter()
-            own = slot.commit(rank=self.rank, step=done.step, table=table, skeleton=skeleton,
-                              extra=extra)
+            own = self._committed(self.rank, slot.commit(
+                rank=self.rank, step=done.step, table=table, skeleton=encode(tree),
+                extra=extra))
             done.commit_s = time.perf_counter() - began
         except Exception as exc:  # noqa: BLE001 - a failed copy costs only this copy
             done.error = f"commit: {exc}"
@@ -201,7 +213,7 @@ class MemoryTier:
         failures = []
         for receipt in receipts:
             try:
-                receipt.finish()
+                self._committed(receipt.source, receipt.finish())
             except Exception as exc:  # noqa: BLE001 - the others still count
                 failures.append(f"from rank {receipt.source}: {exc}")
         if sending is not None:
@@ -243,7 +255,7 @@ class MemoryTier:
                 if self.rank == source:
                     Sending(found[(rank, chosen)], rank).wait()
                 elif self.rank == rank:
-                    mine = Receipt(source, self._next_slot(rank)).finish()
+                    mine = self._committed(rank, Receipt(source, self._next_slot(rank)).finish())
             except Exception as exc:  # noqa: BLE001 - every rank learns below
                 error = f"receiving it from rank {source}: {exc}"
         fitted = None
@@ -251,7 +263,7 @@ class MemoryTier:
             try:
                 if mine is None:
                     raise MemoryCopyError("no copy arrived")
-                fitted = fit(state, *read_copy(mine))
+                fitted = fit(state, *read_copy(mine, self.verify))
             except (OSError, MemoryCopyError) as exc:
                 error = str(exc)
         (failed,) = any_rank(error is not None)
@@ -287,7 +299,7 @@ class MemoryTier:
         total = 0
         for slots in self._slots.values():
             for slot in slots:
-                for name in ("data", "skeleton.pt"):
+                for name in (DATA, SKELETON):
                     try:
                         total += (slot.path / name).stat().st_size
                     except OSError:

@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     for field, flag in MEMORY_FLAGS.items():
         if getattr(args, field) is not None:
             values[field], origins[field] = getattr(args, field), flag
+        elif measured is not None and getattr(measured, field) is not None:
+            values[field], origins[field] = getattr(measured, field), f"--metrics {measured.path}"
     inputs = Inputs(**values)
     in_place = args.in_place_restart_seconds
     if in_place is None and measured is not None:

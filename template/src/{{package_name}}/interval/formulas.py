@@ -607,6 +607,11 @@ class Measured:
     # workers in place (``recovered`` events), None when none happened.
     in_place_restart_seconds: float | None = None
     in_place_restart_count: int = 0
+    # δ_m and the time to commit and send a memory copy (``memory_save`` events, the
+    # first of each start left out as a warm-up), None when the memory tier was off.
+    memory_blocking_seconds: float | None = None
+    memory_send_seconds: float | None = None
+    memory_save_count: int = 0
 
 
 def read_metrics(path: str | os.PathLike) -> Measured:
@@ -623,15 +628,24 @@ def read_metrics(path: str | os.PathLike) -> Measured:
     saves: list[tuple[str, float, float, bool]] = []  # reason, blocking, latency, warm-up
     first_save_of_run = True
     in_place: list[float] = []
-    events, skipped = read_events(path, Event.start, Event.step, Event.save, Event.recovered)
+    memory: list[tuple[float, float]] = []   # stall, commit + send
+    first_memory_of_run = True
+    events, skipped = read_events(path, Event.start, Event.step, Event.save, Event.recovered,
+                                  Event.memory_save)
     for record in events:
         kind = record["event"]
-        if kind == Event.recovered:
+        if kind == Event.memory_save:
+            if not first_memory_of_run and record.get("error") is None and all(
+                    _is_number(record.get(k)) for k in ("stall_s", "commit_s", "replicate_s")):
+                memory.append((float(record["stall_s"]),
+                               float(record["commit_s"]) + float(record["replicate_s"])))
+            first_memory_of_run = False
+        elif kind == Event.recovered:
             if record.get("in_place") is True and _is_number(record.get(
                     "failure_to_first_step_s")):
                 in_place.append(float(record["failure_to_first_step_s"]))
         elif kind == Event.start:
-            first_save_of_run = True
+            first_save_of_run = first_memory_of_run = True
         elif kind == Event.step and _is_number(record.get("step_time_s")):
             step_times.append(float(record["step_time_s"]))
         elif kind == Event.save:
@@ -674,6 +688,9 @@ def read_metrics(path: str | os.PathLike) -> Measured:
         skipped_lines=skipped,
         in_place_restart_seconds=statistics.median(in_place) if in_place else None,
         in_place_restart_count=len(in_place),
+        memory_blocking_seconds=statistics.median(m[0] for m in memory) if memory else None,
+        memory_send_seconds=statistics.median(m[1] for m in memory) if memory else None,
+        memory_save_count=len(memory),
     )
 
 

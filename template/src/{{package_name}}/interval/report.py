@@ -214,8 +214,9 @@ def format_two_tier(two: TwoTierPlan) -> str:
                      + ("" if even is None else
                         f"; it would once a memory save blocks less than about {even:.2f} s "
                         "(first order)"))
-    lines.append("  per failure kind        share  resumes from              restart   "
-                 "lost without / with the tier")
+    lines.append("  per failure kind:")
+    lines.append(f"    {'kind':<20} {'share':>5}  {'resumes from':<24}  {'restart':>8}  "
+                 "work lost (badput) without / with the tier")
     for k in two.failure_kinds:
         lines.append(f"    {KIND_NAMES[k.kind]:<20} {k.share:5.2f}  {KEEPS[k.keeps]:<24}  "
                      f"{k.restart_seconds:6.1f} s  {k.lost_seconds_without:.1f} s "

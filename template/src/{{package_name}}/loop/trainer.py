@@ -103,6 +103,7 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.dataset), train.global_batch_size, train.seed)
         self.progress = Progress()
         self._adapters: dict[str, Any] | None = None   # built once: saves reuse them
+        self._config_record: dict[str, Any] | None = None   # the config as plain data
         self.stragglers = StragglerCheck(every_steps=cfg.recovery.straggler_every_steps,
                                          ratio=cfg.recovery.straggler_ratio, runtime=runtime,
                                          metrics=metrics)
@@ -147,6 +148,13 @@ class Trainer:
             self._eval_first = self.evaluator.due(step) and self.last_eval_step != step
         return resumed
 
+    def _plain_config(self) -> dict[str, Any]:
+        """The configuration as plain data, made once (OmegaConf takes ~15 ms: too long for
+        the training path of a memory save every few steps)."""
+        if self._config_record is None:
+            self._config_record = to_plain_dict(self.cfg)
+        return self._config_record
+
     def commit_record(self) -> dict[str, Any]:
         return {
             "world_size": self.runtime.world_size,
@@ -157,7 +165,7 @@ class Trainer:
             "samples_consumed": self.progress.samples_consumed,
             "last_eval_step": self.last_eval_step,
             "eval": self.last_eval,     # its figures (checkpoint.keep_best ranks by them)
-            "config": to_plain_dict(self.cfg),
+            "config": self._plain_config(),
         }
 
     # ------------------------------------------------------------------ data --

@@ -21,7 +21,13 @@ them alike):
   the bytes of its own shard; ``baseline_load``: rank 0 ``torch.load`` and a broadcast.
   The checkpoint's files are dropped from the page cache first, as on a fresh machine;
 - ``stall``: in a training loop (the trainer's step, the save policy), the median time
-  of steps that start a save minus that of steps with no save in flight.
+  of steps that start a save minus that of steps with no save in flight;
+- ``memory_save``: the memory tier's save on the training path (``MemoryTier.save``: the
+  ranks agree, then one copy of the state into its slot in shared memory); its commit
+  and partner copy run off the path; ``memory_load``: a restart's load of that copy
+  (``MemoryTier.restore``: the copies every rank has, checked as checkpoint.verify says,
+  copied into the live state), against ``load`` from durable storage;
+  ``memory_load_sampled`` the same with ``checkpoint.verify: sample``.
 
 ``--train-steps N`` instead trains N steps without and N steps with checkpointing every
 ``--interval`` steps, ``--repeats`` times alternately, and prints the throughput ratio.
@@ -32,6 +38,7 @@ phases (``bench_restart.py``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -56,6 +63,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .. import PACKAGE
 from ..checkpoint import CheckpointRefused
 from ..checkpoint.dcp_planner import TrainingStatePlanner
+from ..checkpoint.memory_tier import MemoryTier
 from ..config import AsyncMode, ConfigError, load_config
 from ..loop.task_contract import load_task
 from ..runtime import exit_codes
@@ -77,6 +85,39 @@ class PlainDcpPlanner(TrainingStatePlanner):
     cache-hit count stay apart from the project's saves of the same state."""
 
     cache_hits = 0
+
+
+def _measure_memory(bench: Bench, state: dict, timings: dict[str, list[float]],
+                    repeats: int) -> dict[str, Any]:
+    """The memory tier's save stall and load, on this run's state (its own folder of
+    copies under checkpoint.memory_dir, freed afterwards)."""
+    cfg = bench.trainer.cfg
+    ckpt = dataclasses.replace(cfg.checkpoint, memory_interval_steps=1)
+    tier = MemoryTier.open(dataclasses.replace(cfg, checkpoint=ckpt), bench.checkpointer.runtime,
+                           bench.checkpointer.metrics, continues=False)
+    trainer = bench.trainer
+    timings["memory_save"] = []
+    try:
+        for i in range(repeats + 1):   # the first copy allocates the slot's pages
+            trainer.progress.step = 200 + i
+            dist.barrier()
+            stall = _timed(lambda: tier.save(trainer.progress.step, state,
+                                             trainer.commit_record()))
+            if not tier.wait() or tier.rounds[-1].error:
+                raise RuntimeError(f"a memory copy failed during the benchmark: "
+                                   f"{tier.rounds[-1].error if tier.rounds else 'timed out'}")
+            if i:
+                timings["memory_save"].append(stall)
+        for name, check in (("memory_load", tier.verify), ("memory_load_sampled", "sample")):
+            tier.verify, timings[name] = check, []
+            for i in range(repeats + 1):
+                dist.barrier()
+                seconds = _timed(lambda: tier.restore(state, None))
+                if i:
+                    timings[name].append(seconds)
+        return {"held_bytes": tier.held_bytes(), "nodes": tier.partners.nodes}
+    finally:
+        tier.close(free_copies=True)
 
 
 def _timed(fn) -> float:
@@ -353,6 +394,11 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
     measure("baseline_load", baseline_load, before=(
         (lambda _: _drop_from_page_cache([baseline_file])) if runtime.is_main else None))
 
+    # -- the memory tier ------------------------------------------------------------
+    memory = _measure_memory(bench, state, timings, args.repeats)
+    for name in ("memory_save", "memory_load", "memory_load_sampled"):
+        say(f"  {name:<15} median {statistics.median(timings[name]):.3f} s")
+
     # -- in a training loop ------------------------------------------------------------
     commit_s = decide_on_rank0(lambda: statistics.median(timings["async_commit"]))
     loop_figures = measure_stall(bench, args.repeats + 1, commit_s)
@@ -377,6 +423,8 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
         "baseline_over_dcp_sync": med["baseline"] / med["dcp_sync"],
         "baseline_over_async_blocking": med["baseline"] / med["async_blocking"],
         "dcp_sync_over_disk_bound": med["dcp_sync"] / med["disk_bound"],
+        "memory_held_bytes_rank0": memory["held_bytes"],
+        "memory_nodes": memory["nodes"],
         "plan_cache_hits": cache_hits,
         "plan_cache_possible": args.repeats,
         "staged_fast": staged[0],

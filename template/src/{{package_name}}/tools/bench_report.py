@@ -15,6 +15,9 @@ def ratios(med: dict[str, float | None]) -> dict[str, float | None]:
         "commit/disk_bound": ratio(med["async_commit"], med["disk_bound"]),
         "load/read_bound": ratio(med["load"], med["read_bound"]),
         "stall/copy_bound": ratio(med["stall"], med["copy_bound"]),
+        "memory_save/copy_bound": ratio(med.get("memory_save"), med["copy_bound"]),
+        "load/memory_load": ratio(med["load"], med.get("memory_load")),
+        "load/memory_load_sampled": ratio(med["load"], med.get("memory_load_sampled")),
     }
 
 
@@ -36,6 +39,9 @@ def report_text(r: dict) -> str:
         ("read bound (each rank its shard)", "read_bound"),
         ("rank-0 torch.load + broadcast", "baseline_load"),
         ("stall in the training loop", "stall"),
+        ("memory tier: on the training path", "memory_save"),
+        ("memory tier: a restart's load", "memory_load"),
+        ("  the same, sampled checks", "memory_load_sampled"),
     ]
     lines = [(f"\ncheckpoint figures, median of {r['repeats']} ({r['world_size']} {r['device']} "
               f"rank(s), {r['mode']} mode, {r['state_bytes_rank0'] / 2**20:.1f} MiB per rank):")]
@@ -55,6 +61,9 @@ def report_text(r: dict) -> str:
         (f"staging memory per rank {r['staging_bytes_per_rank'] / 2**20:.1f} MiB (held "
          f"while a save is in flight); {r['staged_fast']} of {r['staged_fast'] + r['staged_full']}"
          f" stagings reused the buffers' layout"),
+        (f"memory tier: {r['memory_held_bytes_rank0'] / 2**20:.1f} MiB of copies held for rank 0 "
+         f"on its node ({r['memory_nodes']} node(s): "
+         f"{'no partner copies' if r['memory_nodes'] == 1 else 'with its partner copies'})"),
         (f"plan cache hits {r['plan_cache_hits']} of {r['plan_cache_possible']} timed "
          f"dcp.save calls"),
     ]

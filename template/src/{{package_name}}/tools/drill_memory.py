@@ -209,6 +209,8 @@ def run(drill, start, finish) -> dict[str, Any]:
     proc = start(reference_cmd, drill.out / "reference" / "output.log")
     finish(proc, drill.timeout_s, "the reference run", drill.out / "reference" / "output.log")
     reference = drill_report.split_runs(drill.out / "reference" / "logs")[0]
+    # A run that ends with its final state durable frees its node's copies.
+    freed = not any(_memory_dir(drill, "reference", 0).glob("*/rank-*"))
     scenarios = {}
     for index, name in enumerate(("worker", "node", "job"), start=2):
         what = {"worker": "SIGKILL one worker (its node's memory survives)",
@@ -220,14 +222,17 @@ def run(drill, start, finish) -> dict[str, Any]:
         drill.say(f"    {'passed' if result['passed'] else 'FAILED'}: resumed from step "
                   f"{result.get('resumed_from_step')} ({result.get('resumed_tier')}), "
                   f"{result.get('steps_lost')} step(s) lost; {result['verdict']}")
-    passed = all(s["passed"] for s in scenarios.values())
+    passed = freed and all(s["passed"] for s in scenarios.values())
+    failures = [f"{n}: {s['verdict']}" for n, s in scenarios.items() if not s["passed"]]
+    if not freed:
+        failures.append("the finished reference run left its memory copies behind")
     report = {"passed": passed, "tier": "memory", "steps": drill.steps,
               "durable_interval_steps": k, "memory_interval_steps": every,
               "world_size": drill.save_ranks, "scenarios": scenarios,
-              "verdict": ("every failure restarted from the expected tier and matched the "
-                          "uninterrupted run step by step" if passed else "; ".join(
-                              f"{n}: {s['verdict']}" for n, s in scenarios.items()
-                              if not s["passed"])),
+              "freed_at_end": freed,
+              "verdict": "; ".join(failures) or ("every failure restarted from the expected "
+                                                  "tier and matched the uninterrupted run "
+                                                  "step by step"),
               "commands": {"reference": shlex.join(reference_cmd)}}
     drill_report.write_report(drill.out, report, markdown(report))
     return report
