@@ -1,8 +1,10 @@
 """The kill loop: the whole job SIGKILLed at random moments, over and over.
 
 Process-mode saves every 2 steps on a model whose saves take a few tenths of a second,
-so kills land before, during and after saves, while the checkpoint process starts, while
-a commit is written. After every kill: nothing torn (every committed checkpoint verifies),
+and a memory copy every step (the memory tier: the node lives, so its copies survive each
+kill and a start may load one), so kills land before, during and after saves, while the
+checkpoint process starts, while a commit or a memory copy is written. After every kill:
+nothing torn (every committed checkpoint and every committed memory copy verifies),
 nothing lost (the newest committed step never goes back). After the kills, one last run
 finishes the schedule: every step any run logged, and the final losses, are bit-identical
 to an uninterrupted run of the same configuration (the same train.max_steps: the learning
@@ -22,7 +24,8 @@ KILLS = int(os.environ.get("KILL_LOOP_KILLS", "100"))
 MAX_STEPS = int(os.environ.get("KILL_LOOP_STEPS", str(3 * KILLS)))  # well past what the kills reach
 MODEL = ["model.d_model=192", "model.n_layers=3", "model.dropout=0.1", "log.every_steps=1000",
          "train.micro_batch_size=16", "checkpoint.interval_steps=2", "checkpoint.keep_last=3",
-         f"train.max_steps={MAX_STEPS}", "checkpoint.async_mode=process"]
+         f"train.max_steps={MAX_STEPS}", "checkpoint.async_mode=process",
+         "checkpoint.memory_interval_steps=1"]
 
 
 def committed(storage) -> list[int]:
@@ -36,6 +39,9 @@ def test_a_hundred_sigkills_lose_nothing_and_tear_nothing(tmp_path):
     args = [*MODEL, f"checkpoint.dir={ckpt}", f"log.dir={logs}"]
     storage = project_module("checkpoint").open_storage(str(ckpt))
     layout = project_module("checkpoint.layout")
+    memory = project_module("checkpoint.memory")
+    copies = memory.run_folder("/dev/shm", str(ckpt))
+    torn_copies = 0
     rng = random.Random(20261130)
     newest, torn, lost, save_times = 0, 0, 0, []
     for kill in range(KILLS):
@@ -54,6 +60,11 @@ def test_a_hundred_sigkills_lose_nothing_and_tear_nothing(tmp_path):
         for name in layout.checkpoint_names(storage):
             verdict = layout.verify_checkpoint(storage, name)
             torn += verdict.failed
+        for copy in memory.inventory(copies, 1).values():
+            try:
+                memory.read_copy(copy, "all")
+            except (OSError, memory.MemoryCopyError):
+                torn_copies += 1
         if steps and steps[-1] < newest:
             lost += 1
         newest = max(newest, steps[-1] if steps else 0)
@@ -62,13 +73,16 @@ def test_a_hundred_sigkills_lose_nothing_and_tear_nothing(tmp_path):
     finish = run_module("train", *args, timeout=1800)
     assert f"finished at step {MAX_STEPS}" in finish.stdout + finish.stderr
     events = read_metrics(logs)
+    from_memory = sum(e["event"] == "start" and e.get("resumed_tier") == "memory" for e in events)
     save_times = [e["write_s"] for e in events if e["event"] == "save"]
     reached = max(e["step"] for e in events if e["event"] == "step" and e["time"] < finish_time)
     print(f"\nkill loop: {KILLS} kills, {torn} torn, {lost} lost, newest committed step "
           f"{newest}, highest step trained {reached}, {len(save_times)} saves committed "
           f"(write time median {sorted(save_times)[len(save_times) // 2] if save_times else 0:.2f}"
-          " s)")
-    assert torn == 0 and lost == 0
+          f" s), {from_memory} starts from a memory copy, {torn_copies} torn memory copies")
+    assert torn == 0 and lost == 0 and torn_copies == 0
+    assert from_memory >= KILLS // 4   # the memory tier took part
+    assert not copies.exists()   # the finished run freed them
     assert newest >= KILLS // 2 and len(save_times) >= KILLS // 4   # it saved and resumed
 
     # The same schedule, uninterrupted and never saved: every step any run logged matches.

@@ -4,6 +4,9 @@
                               [--save-nodes D] [--kill job|node] [--lost-node I|rank0]
                               [--steps S] [--interrupt-at K] [--config PATH]
                               [--timeout SECONDS] [key=value ...]
+    python -m <package>.drill --tier memory --save-ranks N --resume-ranks N --out DIR ...
+
+``--tier memory`` rehearses the memory tier's three losses instead (tools/drill_memory.py).
 
 1. reference    S steps on N ranks without interruption.
 2. interrupted  the same run on N ranks, killed with SIGKILL (torchrun, its workers and
