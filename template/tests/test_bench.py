@@ -8,9 +8,11 @@ from conftest import run_module, torchrun
 
 TINY = ["model.d_model=32", "model.n_layers=1"]
 FIGURES = ("baseline", "dcp_sync", "disk_bound", "async_blocking", "async_commit",
-           "copy_bound", "read_bound", "load", "verify", "baseline_load")
+           "copy_bound", "read_bound", "load", "verify", "baseline_load", "memory_save",
+           "memory_load", "memory_load_sampled", "memory_load_checked", "memory_check")
 RATIOS = ("baseline/blocking", "blocking/copy_bound", "commit/disk_bound", "load/read_bound",
-          "stall/copy_bound")
+          "stall/copy_bound", "memory_save/copy_bound", "load/memory_load",
+          "load/memory_load_sampled", "load/memory_load_checked")
 
 
 @pytest.mark.slow
@@ -32,6 +34,7 @@ def test_bench_reports_every_figure_ratio_and_plan_cache_hits():
     assert report["plan_cache_hits"] == 2          # every timed save after the warm-up
     assert report["staged_fast"] >= 3              # saves after the first reuse the buffers
     assert report["staging_bytes_per_rank"] > 0
+    assert report["memory_held_bytes_rank0"] >= report["state_bytes_rank0"]   # its two slots
 
 
 @pytest.mark.slow

@@ -43,9 +43,10 @@ def state_of(seed: int) -> dict:
             "rng": Part(rank0={"cpu": torch.get_rng_state()})}
 
 
-def write_copy(folder: Path, state: dict, step: int, rank: int = 0) -> memory.Copy:
+def write_copy(folder: Path, state: dict, step: int, rank: int = 0,
+               slot: int = 0) -> memory.Copy:
     tree, tensors = memory.flatten(state)
-    slot = memory.slots_of(folder, rank)[0]
+    slot = memory.slots_of(folder, rank)[slot]
     table = slot.stage(tensors)
     copy = slot.commit(rank=rank, step=step, table=table, skeleton=memory.encode(tree),
                        extra={"world_size": 1, "device_type": "cpu", "training": {}})
@@ -58,7 +59,7 @@ def test_a_copy_comes_back_bit_for_bit_into_the_live_state(tmp_path):
     saved = state_of(0)
     copy = write_copy(tmp_path, saved, step=7)
     live = state_of(1)   # other values, the same shapes
-    fitted = memory.fit(live, *memory.read_copy(copy))
+    fitted = memory.fit(live, memory.Opened(copy))
     memory.apply(live, fitted)
     assert torch.equal(live["app"].values["weight"], saved["app"].values["weight"])
     assert torch.equal(live["app"].values["bias"], saved["app"].values["bias"])
@@ -89,8 +90,8 @@ def test_a_copy_without_its_record_or_with_a_changed_byte_is_never_used(tmp_path
         data.seek(-1, os.SEEK_CUR)
         data.write(bytes([byte[0] ^ 1]))
     with pytest.raises(integrity.ChecksumMismatch, match="does not match its checksum"):
-        memory.read_copy(copy)
-    memory.read_copy(copy, "none")   # checkpoint.verify: none reads the record and sizes only
+        memory.Opened(copy)
+    memory.Opened(copy, "none").close()   # checkpoint.verify: none: the record and the sizes
     (copy.path / memory.RECORD).unlink()   # cut off before its commit record
     assert memory.inventory(tmp_path, 1) == {}
 
@@ -110,8 +111,23 @@ def test_a_copy_of_another_shape_is_refused_before_anything_is_written(tmp_path)
     live["app"].values["weight"] = torch.zeros(300, 41)
     before = live["app"].values["bias"].clone()
     with pytest.raises(memory.MemoryCopyError, match=r"app.weight is \(300, 40\)"):
-        memory.fit(live, *memory.read_copy(copy))
+        memory.fit(live, memory.Opened(copy))
     assert torch.equal(live["app"].values["bias"], before)
+
+
+def test_a_start_checks_its_newest_copy_ahead_of_the_load(tmp_path):
+    tier = project_module("checkpoint.memory_tier")
+    write_copy(tmp_path, state_of(0), step=5)
+    newest = write_copy(tmp_path, state_of(1), step=7, slot=1)
+    check = tier._Check(tmp_path, 0, 1, "all")
+    check.run()
+    assert check.copy.step == 7 and check.error is None and check.opened.tree
+    check.opened.close()
+    with open(newest.path / memory.DATA, "r+b") as data:
+        data.write(b"\xff" * 8)
+    check = tier._Check(tmp_path, 0, 1, "all")
+    check.run()
+    assert isinstance(check.error, integrity.ChecksumMismatch), check.error
 
 
 def test_partners_are_on_another_node_and_one_node_has_none():

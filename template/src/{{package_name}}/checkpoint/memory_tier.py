@@ -47,6 +47,7 @@ from .memory import (
     SKELETON,
     Copy,
     MemoryCopyError,
+    Opened,
     Slot,
     apply,
     encode,
@@ -54,7 +55,6 @@ from .memory import (
     flatten,
     free,
     inventory,
-    read_copy,
     run_folder,
     slots_of,
 )
@@ -90,6 +90,7 @@ class MemoryTier:
         self.rank = runtime.rank
         self._slots: dict[int, list[Slot]] = {}
         self._newest: dict[int, Slot] = {}   # the slot of each rank's newest complete copy
+        self._check: _Check | None = None     # this rank's newest copy, checked at a start
         self._thread: threading.Thread | None = None
         self.rounds: list[Round] = []
         self.skipped = 0
@@ -127,7 +128,44 @@ class MemoryTier:
         if partners.nodes > 1:   # the tier's own group: its thread never meets training's
             group = dist.new_group(backend="gloo",
                                    timeout=datetime.timedelta(seconds=ckpt.wait_timeout_s))
-        return cls(cfg, runtime, metrics, folder, partners, group)
+        tier = cls(cfg, runtime, metrics, folder, partners, group)
+        if continues:   # check this rank's newest copy while the model is built
+            tier.start_check()
+        return tier
+
+    def start_check(self) -> None:
+        """Open and check this rank's newest copy on this node in a thread: a restart
+        builds its model meanwhile, and ``restore`` finds the copy checked."""
+        self._check = _Check(self.folder, self.rank, self.runtime.world_size, self.verify)
+        self._check.start()
+
+    def wait_check(self) -> float:
+        """Wait for ``start_check`` (bounded); the seconds it took (0: none started)."""
+        if self._check is None:
+            return 0.0
+        self._check.join(self.timeout_s)
+        return self._check.seconds
+
+    def _drop_check(self) -> None:
+        check, self._check = self._check, None
+        if check is not None:
+            check.join(self.timeout_s)
+            if check.opened is not None:
+                check.opened.close()
+
+    def _opened(self, copy: Copy) -> Opened:
+        """``copy`` opened and checked: by ``start_check`` when it checked this copy."""
+        check, self._check = self._check, None
+        if check is not None:
+            check.join(self.timeout_s)
+            if not check.is_alive() and check.copy is not None \
+                    and check.copy.path == copy.path and check.copy.step == copy.step:
+                if check.error is not None:
+                    raise check.error
+                return check.opened
+            if not check.is_alive() and check.opened is not None:
+                check.opened.close()
+        return Opened(copy, self.verify)
 
     def slots(self, rank: int) -> list[Slot]:
         if rank not in self._slots:
@@ -243,6 +281,7 @@ class MemoryTier:
         chosen = next((s for s in steps if all((r, s) in holders for r in range(world))
                        and (durable_step is None or s >= durable_step)), None)
         if chosen is None:
+            self._drop_check()
             return None
         error = None
         mine = found.get((self.rank, chosen))
@@ -263,16 +302,21 @@ class MemoryTier:
             try:
                 if mine is None:
                     raise MemoryCopyError("no copy arrived")
-                fitted = fit(state, *read_copy(mine, self.verify))
+                fitted = fit(state, self._opened(mine))
             except (OSError, MemoryCopyError) as exc:
                 error = str(exc)
         (failed,) = any_rank(error is not None)
         phases.mark(Phase.checkpoint_chosen)
         if failed:
+            if fitted is not None:
+                fitted.opened.close()
             self.metrics.say(f"warning: the memory copy of step {chosen} cannot be used "
                              f"({error or 'on another rank'}); loading from durable storage")
             return None
-        apply(state, fitted)
+        try:
+            apply(state, fitted)
+        finally:
+            fitted.opened.close()
         phases.mark(Phase.loaded)
         received = sum(1 for r in range(world) if r not in holders[(r, chosen)])
         where = "this node" if received == 0 else f"partner nodes ({received} rank(s))"
@@ -285,6 +329,7 @@ class MemoryTier:
         """Wait for the round under way (bounded) and, when the job's final state is
         durable, free this node's copies (every rank, then the folder)."""
         self.wait()
+        self._drop_check()
         for slots in self._slots.values():
             for slot in slots:
                 slot.close()
@@ -305,6 +350,30 @@ class MemoryTier:
                     except OSError:
                         pass
         return total
+
+
+class _Check(threading.Thread):
+    """Open and check a rank's newest complete copy on this node (``start_check``)."""
+
+    def __init__(self, folder: Path, rank: int, world_size: int, verify: str) -> None:
+        super().__init__(name="memory-tier-check", daemon=True)
+        self.folder, self.rank, self.world_size, self.verify = folder, rank, world_size, verify
+        self.copy: Copy | None = None
+        self.opened: Opened | None = None
+        self.error: Exception | None = None
+        self.seconds = 0.0
+
+    def run(self) -> None:
+        began = time.perf_counter()
+        mine = [c for (r, _), c in inventory(self.folder, self.world_size).items()
+                if r == self.rank]
+        if mine:
+            self.copy = max(mine, key=lambda c: c.step)
+            try:
+                self.opened = Opened(self.copy, self.verify)
+            except (OSError, MemoryCopyError) as exc:
+                self.error = exc
+        self.seconds = time.perf_counter() - began
 
 
 def _all_gather(value: Any) -> list[Any]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .memory import DATA, SKELETON, Copy, Slot, read_copy, table_of_size
+from .memory import DATA, SKELETON, Copy, Opened, Slot, table_of_size
 
 HEADER = 4   # has a copy, step, commit-record bytes, skeleton bytes
 
@@ -142,6 +142,6 @@ class Receipt:
             dist.recv(_map_tensor(buffer, size), self.source, group=self.group)
         (self.slot.path / SKELETON).write_bytes(skeleton)
         copy = Copy(int(record["rank"]), int(step), self.slot.path, record)
-        read_copy(copy)   # every block against the sender's record, before it counts
+        Opened(copy).close()   # every block against the sender's record, before it counts
         self.slot.write_record(record)
         return copy

@@ -27,7 +27,9 @@ them alike):
   and partner copy run off the path; ``memory_load``: a restart's load of that copy
   (``MemoryTier.restore``: the copies every rank has, checked as checkpoint.verify says,
   copied into the live state), against ``load`` from durable storage;
-  ``memory_load_sampled`` the same with ``checkpoint.verify: sample``.
+  ``memory_load_sampled`` the same with ``checkpoint.verify: sample``;
+  ``memory_load_checked`` the same after ``memory_check``, the check a restart makes of
+  its node's newest copy while it builds the model (off the load's path).
 
 ``--train-steps N`` instead trains N steps without and N steps with checkpointing every
 ``--interval`` steps, ``--repeats`` times alternately, and prints the throughput ratio.
@@ -108,9 +110,17 @@ def _measure_memory(bench: Bench, state: dict, timings: dict[str, list[float]],
                                    f"{tier.rounds[-1].error if tier.rounds else 'timed out'}")
             if i:
                 timings["memory_save"].append(stall)
-        for name, check in (("memory_load", tier.verify), ("memory_load_sampled", "sample")):
+        verify = tier.verify
+        for name, check, early in (("memory_load", verify, False),
+                                   ("memory_load_sampled", "sample", False),
+                                   ("memory_load_checked", verify, True)):
             tier.verify, timings[name] = check, []
             for i in range(repeats + 1):
+                if early:   # as at a restart: checked while the model is built
+                    tier.start_check()
+                    checked = tier.wait_check()
+                    if i:
+                        timings.setdefault("memory_check", []).append(checked)
                 dist.barrier()
                 seconds = _timed(lambda: tier.restore(state, None))
                 if i:
@@ -396,7 +406,8 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
 
     # -- the memory tier ------------------------------------------------------------
     memory = _measure_memory(bench, state, timings, args.repeats)
-    for name in ("memory_save", "memory_load", "memory_load_sampled"):
+    for name in ("memory_save", "memory_load", "memory_load_sampled", "memory_load_checked",
+                 "memory_check"):
         say(f"  {name:<15} median {statistics.median(timings[name]):.3f} s")
 
     # -- in a training loop ------------------------------------------------------------

@@ -18,6 +18,7 @@ def ratios(med: dict[str, float | None]) -> dict[str, float | None]:
         "memory_save/copy_bound": ratio(med.get("memory_save"), med["copy_bound"]),
         "load/memory_load": ratio(med["load"], med.get("memory_load")),
         "load/memory_load_sampled": ratio(med["load"], med.get("memory_load_sampled")),
+        "load/memory_load_checked": ratio(med["load"], med.get("memory_load_checked")),
     }
 
 
@@ -42,6 +43,8 @@ def report_text(r: dict) -> str:
         ("memory tier: on the training path", "memory_save"),
         ("memory tier: a restart's load", "memory_load"),
         ("  the same, sampled checks", "memory_load_sampled"),
+        ("  the same, checked during the build", "memory_load_checked"),
+        ("  that check (off the load's path)", "memory_check"),
     ]
     lines = [(f"\ncheckpoint figures, median of {r['repeats']} ({r['world_size']} {r['device']} "
               f"rank(s), {r['mode']} mode, {r['state_bytes_rank0'] / 2**20:.1f} MiB per rank):")]
