@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -91,7 +92,12 @@ class MemoryTier:
         self._slots: dict[int, list[Slot]] = {}
         self._newest: dict[int, Slot] = {}   # the slot of each rank's newest complete copy
         self._check: _Check | None = None     # this rank's newest copy, checked at a start
-        self._thread: threading.Thread | None = None
+        # One worker thread for the rounds, started with the first; ``_idle`` is set
+        # while no round is under way.
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._worker: threading.Thread | None = None
         self.rounds: list[Round] = []
         self.skipped = 0
 
@@ -197,7 +203,7 @@ class MemoryTier:
         """The memory save at ``step`` (every rank): one copy of the state into a slot,
         then the commit and the partner's copy in the tier's thread. Skipped on every
         rank, with a notice, while any rank's previous round is still under way."""
-        (busy,) = any_rank(self._thread is not None and self._thread.is_alive())
+        (busy,) = any_rank(not self._idle.is_set())
         if busy:
             self.skipped += 1
             if self.skipped == 1:
@@ -211,11 +217,22 @@ class MemoryTier:
         done = Round(step, time.perf_counter() - began, table[-1][0] + table[-1][1] if table else 0)
         extra = {"world_size": self.runtime.world_size,
                  "device_type": self.runtime.device.type, "training": record}
-        self._thread = threading.Thread(
-            target=self._round, args=(done, slot, table, tree, extra),
-            name="memory-tier", daemon=True)
-        self._thread.start()
+        self._idle.clear()
+        self._jobs.put((done, slot, table, tree, extra))
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="memory-tier", daemon=True)
+            self._worker.start()
         return done
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                self._round(*job)
+            except Exception:   # a failed round costs that copy, not the thread
+                log.exception("memory tier: the round of step %d failed", job[0].step)
+            finally:
+                self._idle.set()
 
     def _round(self, done: Round, slot: Slot, table: list, tree: dict[str, Any],
                extra: dict[str, Any]) -> None:
@@ -261,10 +278,7 @@ class MemoryTier:
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """The round under way is over (bounded); False if it is not."""
-        if self._thread is not None:
-            self._thread.join(self.timeout_s if timeout_s is None else timeout_s)
-            return not self._thread.is_alive()
-        return True
+        return self._idle.wait(self.timeout_s if timeout_s is None else timeout_s)
 
     # ---------------------------------------------------------------- restore --
     def restore(self, state: dict[str, Any], durable_step: int | None) -> Committed | None:
