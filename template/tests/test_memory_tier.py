@@ -49,7 +49,7 @@ def write_copy(folder: Path, state: dict, step: int, rank: int = 0,
     slot = memory.slots_of(folder, rank)[slot]
     table = slot.stage(tensors)
     copy = slot.commit(rank=rank, step=step, table=table, skeleton=memory.encode(tree),
-                       extra={"world_size": 1, "device_type": "cpu", "training": {}})
+                       extra={"world_size": 1, "device_type": "cpu", "training": {} })
     slot.close()
     return copy
 
@@ -72,12 +72,14 @@ def test_a_copy_comes_back_bit_for_bit_into_the_live_state(tmp_path):
 
 def test_the_skeleton_keeps_its_types_and_refuses_what_json_cannot_hold():
     tree = {"app": {"betas": (0.9, 0.95), "by_index": {0: "a", 1: [1, 2.5, None, True]},
-                    "w": {memory.MARK: 3}, "inf": float("inf")}}
+                    "w": {memory.MARK: 3}, "inf": float("inf")},
+            }
     assert memory.decode(memory.encode(tree)) == tree
     assert type(memory.decode(memory.encode(tree))["app"]["betas"]) is tuple
     with pytest.raises(memory.MemoryCopyError, match=r"app.when is a datetime"):
         import datetime
-        memory.encode({"app": {"when": datetime.datetime.now()}})
+        when = {"when": datetime.datetime.now()}
+        memory.encode({"app": when})
 
 
 def test_a_copy_without_its_record_or_with_a_changed_byte_is_never_used(tmp_path):

@@ -233,7 +233,8 @@ def run(drill, start, finish) -> dict[str, Any]:
               "verdict": "; ".join(failures) or ("every failure restarted from the expected "
                                                   "tier and matched the uninterrupted run "
                                                   "step by step"),
-              "commands": {"reference": shlex.join(reference_cmd)}}
+              "commands": {"reference": shlex.join(reference_cmd)},
+              }
     drill_report.write_report(drill.out, report, markdown(report))
     return report
 
