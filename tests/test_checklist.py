@@ -123,8 +123,8 @@ def expected_rows(plan: dict, plan_r: dict) -> dict[str, list[str]]:
                 f1(two["optimal_durable_interval_seconds"])],
         "B2(N_d·T, N_m·T)": [f2(two_r["badput_with_memory_percent"])],
         "K": [str(two_r["recommended_memory_interval_steps"])],
-        "shards": ([str(shards[k]) for k in ("own", "partner", "own_peak", "partner_peak")]
-                   if i["nodes"] >= 2 else [str(shards["own"]), str(shards["own_peak"])]),
+        "shards": ([str(shards[k]) for k in ("own", "partner")]
+                   if i["nodes"] >= 2 else [str(shards["own"])]),
     }
 
 

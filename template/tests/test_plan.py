@@ -602,9 +602,9 @@ def test_one_node_node_losses_fall_back_to_durable(model):
     assert model.two_tier_badput(1000.0, 100.0, one) == pytest.approx(
         reference_b2(one, 1000.0, 100.0), rel=1e-12)
     # One node holds no partner's copies.
-    assert model.memory_shards_per_rank(1) == {"own": 1, "partner": 0, "own_peak": 2,
+    assert model.memory_shards_per_rank(1) == {"own": 2, "partner": 0, "own_peak": 2,
                                                "partner_peak": 0}
-    assert model.memory_shards_per_rank(4) == {"own": 1, "partner": 1, "own_peak": 2,
+    assert model.memory_shards_per_rank(4) == {"own": 2, "partner": 2, "own_peak": 2,
                                                "partner_peak": 2}
 
 
@@ -659,14 +659,14 @@ def test_plan_prints_the_two_tiers(run_plan, model, tmp_path):
     assert [k["keeps"] for k in got["failure_kinds"]] == ["node_memory", "partner_copy",
                                                          "durable"]
     assert sum(k["share"] for k in got["failure_kinds"]) == pytest.approx(1)
-    assert got["memory_shards_per_rank"] == {"own": 1, "partner": 1, "own_peak": 2,
+    assert got["memory_shards_per_rank"] == {"own": 2, "partner": 2, "own_peak": 2,
                                              "partner_peak": 2}
     assert got["configured_badput_percent"] is None  # the memory tier is off unless configured
     code, text, _ = run_plan(*args)
     assert code == 0
     assert "Two tiers: memory and durable" in text
     for needed in ("crash", "node loss", "job loss", f"{100 * two.badput_without:.2f} %",
-                   f"{100 * two.badput_with:.2f} %", "1 + 1 shards", "up to 2 + 2",
+                   f"{100 * two.badput_with:.2f} %", "2 + 2 shards", "two slots each",
                    f"checkpoint.memory_interval_steps: {two.optimal_memory_interval_steps}"):
         assert needed in text, needed
     # The configured memory interval: from the config (with its durable interval) or the flag.

@@ -87,9 +87,9 @@ latency L well above L_m; it pays once δ_m < δ(1-√(1-a))²/a (first order, t
 below). With a = 0 there is no memory optimum; with 1 - a = 0 (no job losses) the durable
 part costs nothing for rare saves and N_d stays N.
 
-Memory each rank holds with the tier on: its newest copy of its own shard and its
-partner's newest copy of theirs, 1 + 1 shards; while a new copy replaces the old one both
-are kept until the new one is complete, so up to 2 + 2 (on one node 1, up to 2: no
+Memory each rank holds with the tier on: two slots of its own shard and two of its
+partner's (checkpoint/memory.py: the newest complete copy and the one before it, or the
+next being written), 2 + 2 shards once two copies were made (on one node 2: no
 partner). ``memory_shards_per_rank`` says so; the copies are freed when the job ends.
 
 The copy-time numbers (includes/plan.jinja in the template) repeat these
@@ -466,9 +466,10 @@ def break_even_memory_blocking(inputs: Inputs) -> float | None:
     return inputs.blocking_seconds * (1 - b**0.5) ** 2 / a
 
 
-# Shards of its own size each rank keeps in memory with the memory tier on:
-# (own, partner's) in steady state, and at most, while a new copy replaces the old one.
-MEMORY_SHARDS_STEADY = (1, 1)
+# Shards of its own size each rank keeps in memory with the memory tier on, (own,
+# partner's): two slots each (checkpoint/memory.py SLOTS), both kept once written, so the
+# steady state is the peak.
+MEMORY_SHARDS_STEADY = (2, 2)
 MEMORY_SHARDS_PEAK = (2, 2)
 
 

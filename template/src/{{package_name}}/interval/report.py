@@ -224,8 +224,8 @@ def format_two_tier(two: TwoTierPlan) -> str:
                      f"({100 * k.badput_with:.2f} %)")
     m = two.memory_shards
     lines.append(f"  memory per rank with the tier on: {m['own']} + {m['partner']} shards (its own "
-                 f"+ its partner's), up to {m['own_peak']} + {m['partner_peak']} while a new "
-                 "copy replaces the old; in checkpoint.memory_dir, freed when the job ends")
+                 "+ its partner's: two slots each, the newest copy and the one before it); "
+                 "in checkpoint.memory_dir, freed when the job ends")
     return "\n".join(lines)
 
 
