@@ -1,5 +1,8 @@
 """The memory tier's copies: one rank's training state in shared memory of its node.
 
+(A little over 400 lines: a copy's format, its writing and its reading stay in one file,
+so that its commit rules read in one place.)
+
 A node's copies live under ``checkpoint.memory_dir`` (default /dev/shm, a tmpfs: RAM),
 in a folder of their own per run (``run_folder``): files there outlive the worker that
 wrote them, so the workers torchrun restarts in place find them, and vanish with the
