@@ -135,6 +135,10 @@ def decode(data: bytes) -> dict[str, Any]:
     return walk(json.loads(data))
 
 
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def table_of(tensors: list[torch.Tensor]) -> tuple[list[list[Any]], int]:
     """Where each tensor goes in ``data``: [offset, nbytes, dtype, shape]; the total size."""
     table, offset = [], 0
@@ -142,7 +146,7 @@ def table_of(tensors: list[torch.Tensor]) -> tuple[list[list[Any]], int]:
         nbytes = tensor.numel() * tensor.element_size()
         table.append([offset, nbytes, str(tensor.dtype).removeprefix("torch."),
                       list(tensor.shape)])
-        offset += -(-nbytes // ALIGN) * ALIGN
+        offset += _padded(nbytes)
     return table, offset
 
 
@@ -256,10 +260,8 @@ class Slot:
 
 
 def table_of_size(table: list[list[Any]]) -> int:
-    if not table:
-        return 0
-    offset, nbytes = table[-1][0], table[-1][1]
-    return offset + -(-nbytes // ALIGN) * ALIGN
+    """The size of ``data`` for a table (``table_of``'s total)."""
+    return table[-1][0] + _padded(table[-1][1]) if table else 0
 
 
 # ------------------------------------------------------------- loading --
@@ -305,9 +307,6 @@ class Opened:
         buffers = threading.local()
 
         def crc_of(index: int) -> str:
-            if self.map is not None:
-                begin = index * BLOCK_BYTES
-                return f"{zlib.crc32(memoryview(self.map)[begin:begin + BLOCK_BYTES]):08x}"
             buffer = getattr(buffers, "block", None)
             if buffer is None:
                 buffer = buffers.block = bytearray(BLOCK_BYTES)
@@ -316,7 +315,9 @@ class Opened:
                 raise MemoryCopyError(f"{path / DATA} ended early")
             return f"{zlib.crc32(view):08x}"
 
-        for index, crc in zip(blocks, parallel_map(crc_of, blocks)):
+        crcs = (block_crcs(self.map, self.size, blocks) if self.map is not None
+                else dict(zip(blocks, parallel_map(crc_of, blocks))))
+        for index, crc in crcs.items():
             if crc != recorded[index]:
                 begin = index * BLOCK_BYTES
                 raise ChecksumMismatch(mismatch(f"{path / DATA}", begin,

@@ -58,6 +58,7 @@ from .memory import (
     inventory,
     run_folder,
     slots_of,
+    table_of_size,
 )
 from .partners import Partners, Receipt, Sending, gather_identities
 
@@ -159,8 +160,9 @@ class MemoryTier:
             if check.opened is not None:
                 check.opened.close()
 
-    def _opened(self, copy: Copy) -> Opened:
-        """``copy`` opened and checked: by ``start_check`` when it checked this copy."""
+    def _opened(self, copy: Copy, check: str) -> Opened:
+        """``copy`` opened and checked as ``check`` says: by ``start_check`` when it
+        checked this copy."""
         check, self._check = self._check, None
         if check is not None:
             check.join(self.timeout_s)
@@ -171,7 +173,7 @@ class MemoryTier:
                 return check.opened
             if not check.is_alive() and check.opened is not None:
                 check.opened.close()
-        return Opened(copy, self.verify)
+        return Opened(copy, check)
 
     def slots(self, rank: int) -> list[Slot]:
         if rank not in self._slots:
@@ -214,7 +216,7 @@ class MemoryTier:
         tree, tensors = flatten(state)
         slot = self._next_slot(self.rank)
         table = slot.stage(tensors)
-        done = Round(step, time.perf_counter() - began, table[-1][0] + table[-1][1] if table else 0)
+        done = Round(step, time.perf_counter() - began, table_of_size(table))
         extra = {"world_size": self.runtime.world_size,
                  "device_type": self.runtime.device.type, "training": record}
         self._idle.clear()
@@ -299,6 +301,7 @@ class MemoryTier:
             return None
         error = None
         mine = found.get((self.rank, chosen))
+        check = self.verify   # a copy received below was checked as it arrived
         for rank in range(world):   # copies of a lost node's ranks, from their partners
             where = holders[(rank, chosen)]
             if rank in where:
@@ -309,6 +312,7 @@ class MemoryTier:
                     Sending(found[(rank, chosen)], rank).wait()
                 elif self.rank == rank:
                     mine = self._committed(rank, Receipt(source, self._next_slot(rank)).finish())
+                    check = "none"
             except Exception as exc:  # noqa: BLE001 - every rank learns below
                 error = f"receiving it from rank {source}: {exc}"
         fitted = None
@@ -316,7 +320,7 @@ class MemoryTier:
             try:
                 if mine is None:
                     raise MemoryCopyError("no copy arrived")
-                fitted = fit(state, self._opened(mine))
+                fitted = fit(state, self._opened(mine, check))
             except (OSError, MemoryCopyError) as exc:
                 error = str(exc)
         (failed,) = any_rank(error is not None)

@@ -114,11 +114,11 @@ class Drill:
         config = ["--config", self.config] if self.config else []
         return [nodes.command(node, config, self.run_dirs(name)) for node in range(nodes.count)]
 
-    def resume_command(self) -> list[str]:
+    def resume_command(self, name: str = "interrupted", extra: tuple[str, ...] = ()) -> list[str]:
         config = ["--config", self.config] if self.config else []
         return [sys.executable, "-m", f"{PACKAGE}.resume",
                 "--nproc-per-node", str(self.resume_ranks), *config,
-                *self.run_dirs("interrupted")]
+                *self.run_dirs(name), *extra]
 
     def say(self, message: str) -> None:
         print(f"[{time.monotonic() - self.started:6.1f} s] {message}", flush=True)

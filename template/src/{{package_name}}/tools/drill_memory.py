@@ -29,12 +29,12 @@ import hashlib
 import random
 import shlex
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from .. import PACKAGE
+from ..recovery.attempts import read_records
 from ..runtime import exit_codes
 from ..runtime.metrics import Event, EventTail
 from . import drill_nodes, drill_report
@@ -66,27 +66,19 @@ def _memory_dir(drill, name: str, node: int) -> Path:
 
 def _commands(drill, name: str, nodes: int) -> list[list[str]]:
     """One command per node; each node its own memory folder."""
+    if nodes == 1:   # N = M ranks (prepare_memory)
+        return [drill.resume_command(name, (f"checkpoint.memory_dir={_memory_dir(drill, name, 0)}",))]
     config = ["--config", drill.config] if drill.config else []
-    if nodes == 1:
-        args = [*drill.run_dirs(name), f"checkpoint.memory_dir={_memory_dir(drill, name, 0)}"]
-        return [[sys.executable, "-m", f"{PACKAGE}.resume",
-                 "--nproc-per-node", str(drill.save_ranks), *config, *args]]
     plan = drill_nodes.Nodes.plan(nodes, drill.save_ranks)
     return [plan.command(node, config, [*drill.run_dirs(name),
                                         f"checkpoint.memory_dir={_memory_dir(drill, name, node)}"])
             for node in range(nodes)]
 
 
-def _worker_of_rank(root: int, rank: int) -> int | None:
-    for pid in process_tree(root):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b".train" in command and f"RANK={rank}".encode() in environ:
-            return pid
-    return None
+def _worker_of_rank(log_dir: Path, rank: int) -> int | None:
+    """The pid of the running worker of ``rank`` (its attempt record)."""
+    return next((int(r["pid"]) for r in read_records(log_dir)
+                 if r["rank"] == rank and r["state"] == "running"), None)
 
 
 def _run_until(drill, procs, logs: list[Path], tail: EventTail, target: int) -> int:
@@ -133,7 +125,7 @@ def _scenario(drill, start, finish, name: str) -> dict[str, Any]:
         result["last_step_before"] = last
         result["killed_at"] = time.time()
         if name == "worker":
-            pid = _worker_of_rank(procs[0].pid, drill.save_ranks - 1)
+            pid = _worker_of_rank(base / "logs", drill.save_ranks - 1)
             if pid is None:
                 raise DrillError(f"no worker of rank {drill.save_ranks - 1}; see {logs[0]}")
             kill_tree(pid)
