@@ -1,6 +1,9 @@
 """What a checkpoint interval plan says: text for people, JSON for tools, the Markdown
 measured section of docs/CHECKLIST.md (English or Chinese), and a plot of badput
 against the interval. The numbers all come from interval.formulas.
+
+(About 480 lines: a plan's text, its JSON and its checklist section, one- and
+two-tier, stay in one file so that the three say the same figures the same way.)
 """
 
 from __future__ import annotations

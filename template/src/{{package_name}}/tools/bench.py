@@ -35,6 +35,10 @@ them alike):
 ``--interval`` steps, ``--repeats`` times alternately, and prints the throughput ratio.
 ``--restart`` (run with python, not torchrun) times restarts of real jobs with their
 phases (``bench_restart.py``).
+
+(About 440 lines: one run measures every figure on the same state, in order, so that a
+busy machine moves them alike; the text and the loop are in bench_report.py and
+bench_loop.py.)
 """
 
 from __future__ import annotations

@@ -38,6 +38,10 @@ The default task's model is made small unless your key=value overrides say other
 DIR receives reference/, interrupted/, report.json, report.md and loss.png. A re-run
 into the same DIR replaces exactly those; a non-empty DIR that no drill made is
 refused. Exit status: 0 passed, 1 failed, 2 refused (bad arguments; nothing ran).
+
+(About 470 lines: the command line and the argument checks of both tiers, and the
+phases of the durable drill; the report, the nodes and the memory tier's losses are in
+drill_report.py, drill_nodes.py and drill_memory.py.)
 """
 
 from __future__ import annotations
