@@ -7,9 +7,11 @@ bytes tokenizer and with a tokenizer trained here with ``tokenizers``.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import pickle
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -204,6 +206,35 @@ def test_tiny_model_takes_the_datas_vocabulary(tmp_path):
                                                         f"data.path={tmp_path}"])
     with pytest.raises(project_module("config").ConfigError, match="no index.json"):
         task.build_data(bad)
+
+
+def test_a_read_that_fails_before_its_dead_worker_is_reaped_names_the_worker(monkeypatch):
+    # The race the test below can meet: the worker is killed while handing over a batch,
+    # and the read fails (the descriptor it passed is gone) before the worker is reaped.
+    trainer = project_module("loop.trainer")
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0.3,))
+    worker.start()
+
+    class FailingRead:
+        def __init__(self, workers):
+            self._workers = workers
+
+        def __next__(self):
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+    with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pid\(s\) {worker.pid}\) "
+                                           "exited unexpectedly"):
+        next(trainer._naming_dead_workers(FailingRead([worker])))
+    # A failed read while every worker lives is passed on as it is, after a bounded wait.
+    monkeypatch.setattr(trainer, "WORKER_EXIT_WAIT_S", 0.2)
+    alive = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    alive.start()
+    try:
+        with pytest.raises(ConnectionResetError):
+            next(trainer._naming_dead_workers(FailingRead([alive])))
+    finally:
+        alive.kill()
+        alive.join()
 
 
 @pytest.mark.slow

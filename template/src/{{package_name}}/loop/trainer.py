@@ -38,6 +38,8 @@ from .task_contract import Task, default_optimizer
 STEP_FIELDS = ("event", "time", "step", "loss", "grad_norm", "lr", "step_time_s",
                "samples_per_s")
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# How long a failed batch read waits for a DataLoader worker that is dying to be reaped.
+WORKER_EXIT_WAIT_S = 5.0
 
 
 class TaskError(RuntimeError):
@@ -79,6 +81,33 @@ def _end_workers_at_exit(loader_iter: weakref.ref) -> None:
         if worker.is_alive():
             worker.kill()
             worker.join(timeout=5)
+
+
+def _naming_dead_workers(loader_iter: Iterator[Any]) -> Iterator[Any]:
+    """The loader's batches; a read that fails because a worker died says which worker.
+
+    torch names a dead worker only if it is already reaped when the read fails; a worker
+    killed while handing over a batch can fail the read first, as a bare
+    ``ConnectionResetError`` from the descriptor it was passing. Then wait (at most
+    ``WORKER_EXIT_WAIT_S``) for the worker to be seen dead, and say so.
+    """
+    while True:
+        try:
+            batch = next(loader_iter)
+        except StopIteration:
+            return
+        except (OSError, EOFError) as exc:
+            workers = getattr(loader_iter, "_workers", ())
+            deadline = time.monotonic() + WORKER_EXIT_WAIT_S
+            dead = [w.pid for w in workers if not w.is_alive()]
+            while workers and not dead and time.monotonic() < deadline:
+                time.sleep(0.05)
+                dead = [w.pid for w in workers if not w.is_alive()]
+            if dead:
+                raise RuntimeError(f"DataLoader worker (pid(s) {', '.join(map(str, dead))}) "
+                                   f"exited unexpectedly") from exc
+            raise
+        yield batch
 
 
 class Trainer:
@@ -191,6 +220,7 @@ class Trainer:
         batches = iter(loader)
         if workers:
             atexit.register(_end_workers_at_exit, weakref.ref(batches))
+            return _naming_dead_workers(batches)
         return batches
 
     def _start_method(self) -> str:
