@@ -346,6 +346,21 @@ def loss_and_metrics(model, batch):
     return _loss_and_metrics(model, batch)
 '''
 
+CRASH_HOOK = '''
+import os as _os
+
+_loss_and_metrics_until_the_crash = loss_and_metrics
+_micro_batches = [0]
+
+
+def loss_and_metrics(model, batch):
+    _micro_batches[0] += 1
+    after = int(_os.environ.get("RECOVERY_TEST_CRASH_AFTER", "0"))
+    if after and _micro_batches[0] > after:
+        raise RuntimeError("test hook: every start crashes a few steps in")
+    return _loss_and_metrics_until_the_crash(model, batch)
+'''
+
 FAKE_SLURM = {
     "scontrol": 'if [ "$1" = show ]; then echo localhost; else echo "$@" >> "$FAKE_SLURM_LOG"; fi',
     "sbatch": 'echo "sbatch $*" >> "$FAKE_SLURM_LOG"',
@@ -447,3 +462,25 @@ def test_a_start_after_a_failure_lays_out_its_phases_from_the_failure(tmp_path):
     text = phases.breakdown(rows)
     assert "first_step" in text.splitlines()[-1] and "4.00 s" in text.splitlines()[-1]
     assert phases.breakdown([]) == "no start has recorded its phases yet"
+
+
+@pytest.mark.slow
+def test_starts_that_crash_but_move_on_through_memory_copies_are_not_stopped(tmp_path):
+    # No durable checkpoint until the end; a memory copy after every step. Each start
+    # crashes in its fourth step (4 micro-batches a step on each of 2 ranks), so only the
+    # memory copies move the run on: with a guard that counted durable checkpoints alone,
+    # the third start would be refused with 79.
+    root = project_copy(tmp_path, CRASH_HOOK)
+    base = tmp_path / "run"
+    proc, log = start_resume(root, base, "train.max_steps=8", "checkpoint.interval_steps=1000",
+                             "checkpoint.memory_interval_steps=1",
+                             f"checkpoint.memory_dir={tmp_path / 'shm'}",
+                             "recovery.max_attempts_without_progress=2",
+                             env=env_for(root, RECOVERY_TEST_CRASH_AFTER="12"))
+    assert finish(proc, 600) == 0, log.read_text()[-4000:]
+    starts = read_events(base / "logs", "start")
+    assert len(starts) >= 3, starts
+    assert all(s["failed_starts"] == 0 for s in starts), starts
+    assert all(s["resumed_tier"] == "memory" for s in starts[1:]), starts
+    assert read_events(base / "logs", "end")[-1]["status"] == 0
+    assert not (base / "ckpt" / "progress.json").exists()

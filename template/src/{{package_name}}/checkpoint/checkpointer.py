@@ -34,7 +34,7 @@ from .manager import CheckpointManager
 from .memory_tier import MemoryTier, MemoryTierUnusable
 from .policy import SavePolicy, StepBoundary, StepDecision
 from .restore import TrainingState, choose_and_load
-from .storage import StorageError, StorageUnavailable, open_storage
+from .storage import Storage, StorageError, StorageUnavailable, open_storage
 
 __all__ = ["CheckpointRefused", "Checkpointer", "StepDecision", "TrainingState"]
 
@@ -133,6 +133,19 @@ class Checkpointer:
         self._policy.resumed_from = resumed
         self._start_step = training.progress.step
         return resumed
+
+    @property
+    def storage(self) -> Storage:
+        """checkpoint.dir (the no-progress guard keeps its count there)."""
+        return self.manager.storage
+
+    def newest_recoverable_step(self) -> int | None:
+        """The newest step a restart could come back to, as rank 0 sees it at the start:
+        the newest committed checkpoint, or a newer memory copy of rank 0's state on its
+        node. The no-progress guard compares it from one start to the next."""
+        memory = self.memory.newest_own_step() if self.memory is not None else None
+        steps = [s for s in (self._newest_step, memory) if s is not None]
+        return max(steps, default=None)
 
     # ------------------------------------------------------------- each step --
     def maybe_wait_for_staging(self) -> None:

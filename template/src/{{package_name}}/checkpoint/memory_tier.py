@@ -283,6 +283,11 @@ class MemoryTier:
         return self._idle.wait(self.timeout_s if timeout_s is None else timeout_s)
 
     # ---------------------------------------------------------------- restore --
+    def newest_own_step(self) -> int | None:
+        """The step of this rank's newest complete copy on this node (None: none)."""
+        return max((step for rank, step in inventory(self.folder, self.runtime.world_size)
+                    if rank == self.runtime.rank), default=None)
+
     def restore(self, state: dict[str, Any], durable_step: int | None) -> Committed | None:
         """Load the newest copy every rank can reach when it is not older than
         ``durable_step``; the copy as a Committed (``tier`` "memory"), or None."""

@@ -37,8 +37,6 @@ from ..checkpoint import (
     CheckpointUnusable,
     Committed,
     IncompatibleCheckpoint,
-    newest_complete_checkpoint,
-    open_storage,
 )
 from ..checkpoint.background import stop_background_processes
 from ..config import Config, ConfigError, load_config, to_plain_dict
@@ -177,17 +175,16 @@ def _no_restart_in_place(code: int, stop: StopCoordinator, runtime: Runtime,
     os.kill(launcher, signal.SIGTERM)
 
 
-def _guard_progress(cfg: Config, runtime: Runtime, attempt: Attempt,
+def _guard_progress(cfg: Config, checkpointer: Checkpointer, attempt: Attempt,
                     previous: dict[str, Any] | None) -> tuple[int, str | None]:
     """The no-progress guard (rank 0 decides, every rank learns): the failed starts in a
-    row, and why this start must not run (None: it may)."""
+    row, and why this start must not run (None: it may). Progress is a newer step to
+    restart from: a committed checkpoint, or a memory copy (checkpoint.memory_interval_steps)."""
     def verdict() -> tuple[int, str | None]:
-        storage = open_storage(cfg.checkpoint.dir)
-        newest = newest_complete_checkpoint(storage, verify="none")
-        step = newest.step if newest is not None else None
+        step = checkpointer.newest_recoverable_step()
         attempt.begin(newest_step=-1 if step is None else step)  # the next start compares
-        return ProgressGuard(storage, cfg.recovery.max_attempts_without_progress).on_start(
-            step, previous)
+        return ProgressGuard(checkpointer.storage,
+                             cfg.recovery.max_attempts_without_progress).on_start(step, previous)
 
     return decide_on_rank0(verdict)
 
@@ -196,7 +193,7 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: Stop
            watchdog: StepWatchdog, metrics: MetricsLog, attempt: Attempt,
            previous: dict[str, Any] | None) -> tuple[int, str]:
     """Train; returns the exit status and, for the log, why."""
-    failed_starts, no_progress = _guard_progress(cfg, runtime, attempt, previous)
+    failed_starts, no_progress = _guard_progress(cfg, checkpointer, attempt, previous)
     if no_progress is not None:
         if runtime.is_main:
             print(f"error: {no_progress}", file=sys.stderr, flush=True)
@@ -213,7 +210,7 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: Stop
         resumed = trainer.resume()
     except (IncompatibleCheckpoint, CheckpointUnusable) as exc:
         return _refuse(exc)
-    refused = decide_on_rank0(lambda: _attach_trackers(cfg, metrics, resumed))
+    refused = decide_on_rank0(lambda: _attach_trackers(cfg, checkpointer, metrics, resumed))
     if refused is not None:
         return _refuse(refused)
     failed = previous is not None and previous["kind"] in FAILURES
@@ -260,12 +257,13 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: Stop
     return exit_codes.OK, "finished"
 
 
-def _attach_trackers(cfg: Config, metrics: MetricsLog, resumed: Committed | None) -> str | None:
+def _attach_trackers(cfg: Config, checkpointer: Checkpointer, metrics: MetricsLog,
+                     resumed: Committed | None) -> str | None:
     """Rank 0: the experiment trackers (log.trackers) follow every event from now on,
     continuing the checkpoint directory's tracker run; why they cannot, or None."""
     try:
         metrics.sinks += open_trackers(cfg.log.trackers, cfg.log.dir,
-                                       open_storage(cfg.checkpoint.dir),
+                                       checkpointer.storage,
                                        resumed.step if resumed is not None else None,
                                        to_plain_dict(cfg))
     except ConfigError as exc:

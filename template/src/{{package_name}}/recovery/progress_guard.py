@@ -5,11 +5,12 @@
 At each start rank 0 learns how the previous start ended (``exits.cause``, which also
 says what the newest committed checkpoint was when that start began) and counts it when
 it failed (a crash, a hang, a rank that died while the others recorded it, or exit 73:
-its saves failed) without committing a newer checkpoint. The count lives in this small file beside the
-checkpoints (through the Storage interface, so on an object store too), so it runs
-across in-place restarts by torchrun and new jobs from a scheduler alike. The file
-exists only while failures are being counted: the first start that finds a newer
-checkpoint removes it. Not counted: a start that ended with another status training
+its saves failed) without a newer step to restart from: a committed checkpoint or, with
+the memory tier, a memory copy of rank 0's state (``Checkpointer.newest_recoverable_step``).
+The count lives in this small file beside the checkpoints (through the Storage
+interface, so on an object store too), so it runs across in-place restarts by torchrun
+and new jobs from a scheduler alike. The file exists only while failures are being
+counted: the first start that finds a newer step removes it. Not counted: a start that ended with another status training
 decided (finished, preempted, refused, ...), and one where every rank died without a word
 (the machine or the whole job killed from outside, as a preemption without notice is).
 
