@@ -243,6 +243,19 @@ def test_resume_passes_the_do_not_retry_status_through(tmp_path):
     assert code == exit_codes.NO_PROGRESS
 
 
+def test_a_node_loss_says_where_the_next_run_resumes_from(tmp_path, capsys):
+    resume, config = project_module("launch.supervisor"), project_module("config")
+    storage = project_module("checkpoint").LocalStorage(tmp_path)
+    for memory_tier in (False, True):
+        code = resume.exit_status(1, storage, None, config.PreemptionConfig(), [],
+                                  node_lost="node b did not come back",
+                                  memory_tier=memory_tier)
+        said = capsys.readouterr().err
+        assert code == exit_codes.NODE_LOST and "node b did not come back" in said
+        assert ("memory copy every rank can still reach" in said) == memory_tier, said
+        assert "newest committed checkpoint" in said
+
+
 # --------------------------------------------------------------- the jobs --
 @pytest.mark.slow   # kept out of the quick tier for its time; `make test` runs it
 def test_a_status_training_decides_is_not_restarted_in_place(tmp_path):

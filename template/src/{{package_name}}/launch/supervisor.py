@@ -248,13 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     # The job id training's lease carries: the scheduler's, else torchrun's run id.
     job_id = scheduler_job_id() or args.rdzv_id or DEFAULT_RDZV_ID
     return supervise(command, storage, checkpoint, cfg.preemption, Path(cfg.log.dir),
-                     nodes=args.nnodes, recovery=cfg.recovery, job_id=job_id)
+                     nodes=args.nnodes, recovery=cfg.recovery, job_id=job_id,
+                     memory_tier=cfg.checkpoint.memory_interval_steps > 0)
 
 
 # ---------------------------------------------------------------- supervise --
 def supervise(command: list[str], storage: Storage, before: Committed | None,
               preemption: PreemptionConfig, log_dir: Path, *, nodes: int = 1,
-              recovery: RecoveryConfig | None = None, job_id: str | None = None) -> int:
+              recovery: RecoveryConfig | None = None, job_id: str | None = None,
+              memory_tier: bool = False) -> int:
     """Run torchrun, forward signals to it, and translate its exit status.
 
     After a node loss (exit 74) this job has ended on every node: the lease its rank 0
@@ -288,7 +290,7 @@ def supervise(command: list[str], storage: Storage, before: Committed | None,
     status = exit_status(returncode, storage, before, preemption, forwarded,
                          stopped_by_notice=preemption_logged_since(log_dir, launched_at),
                          training_status=training_status_since(log_dir, launched_at),
-                         node_lost=lost)
+                         node_lost=lost, memory_tier=memory_tier)
     if status == exit_codes.NODE_LOST and job_id is not None:
         try:
             lease = Lease(storage, stale_s=0.0, wait_s=0.0)  # only read, then removed
@@ -352,7 +354,7 @@ def exit_status(returncode: int, storage: Storage, before: Committed | None,
                 preemption: PreemptionConfig, forwarded: list[str],
                 stopped_by_notice: bool = False,
                 training_status: tuple[int, str] | None = None,
-                node_lost: str | None = None) -> int:
+                node_lost: str | None = None, memory_tier: bool = False) -> int:
     """0, ``preemption.exit_code`` when the run was preempted, the status training logged
     when it refused to run (2), could not save its last state (73), stopped retrying
     because starts kept failing without progress (79) or was interrupted by the user
@@ -389,10 +391,12 @@ def exit_status(returncode: int, storage: Storage, before: Committed | None,
               file=sys.stderr, flush=True)
         return preemption.exit_code
     if node_lost is not None:
+        durable = f"committed checkpoint{f' (step {after.step})' if after else ''}"
         print(f"resume: a node of this job was lost ({node_lost}); exit "
               f"{exit_codes.NODE_LOST}: run again, training resumes from the newest "
-              f"committed checkpoint{f' (step {after.step})' if after else ''}",
-              file=sys.stderr, flush=True)
+              + (f"memory copy every rank can still reach, or else the newest {durable} "
+                 "(a copy held on the lost node comes from its partner node's)"
+                 if memory_tier else durable), file=sys.stderr, flush=True)
         return exit_codes.NODE_LOST
     # A negative status means torchrun died of a signal; report it the way shells do.
     return 128 - returncode if returncode < 0 else returncode

@@ -14,7 +14,8 @@ BAD_INPUT = 2      # refused before running: configuration, arguments, a task br
 NOT_SAVED = 73     # training ended but its last state is not in a committed checkpoint: run again
 NODE_LOST = 74     # several nodes: one was lost (it vanished, or did not come back within
                    # recovery.rendezvous_timeout_s); the others stopped. Run again: training
-                   # resumes from the newest committed checkpoint (resume decides it)
+                   # resumes from the newest committed checkpoint, or a newer memory copy
+                   # (checkpoint.memory_interval_steps; resume says which may be used)
 PREEMPTED = 75     # default of preemption.exit_code: EX_TEMPFAIL, "run me again"
 NO_PROGRESS = 79   # recovery.max_attempts_without_progress starts in a row ended without a
                    # new checkpoint: do NOT retry; fix the cause first (docs/RECOVERY.md)
