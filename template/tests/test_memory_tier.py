@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PACKAGE, project_module, run_module
+from conftest import PACKAGE, ROOT, project_module, run_module
 
 memory = project_module("checkpoint.memory")
 partners = project_module("checkpoint.partners")
@@ -130,6 +130,35 @@ def test_a_start_checks_its_newest_copy_ahead_of_the_load(tmp_path):
     check = tier._Check(tmp_path, 0, 1, "all")
     check.run()
     assert isinstance(check.error, integrity.ChecksumMismatch), check.error
+
+
+def test_a_restore_opens_its_copy_with_the_check_it_is_told(tmp_path, monkeypatch):
+    tier_module = project_module("checkpoint.memory_tier")
+    cfg = project_module("config").load_config(str(ROOT / "configs" / "train.yaml"),
+                                               ["checkpoint.verify=all"])
+    runtime = project_module("runtime.distributed").Runtime(0, 1, 0, torch.device("cpu"),
+                                                            "gloo")
+    tier = tier_module.MemoryTier(cfg, runtime, project_module("runtime.metrics").MetricsLog(None),
+                                  tmp_path, partners.Partners.of(["a"]), None)
+    older = write_copy(tmp_path, state_of(0), step=5)
+    newest = write_copy(tmp_path, state_of(1), step=7, slot=1)
+    checks = []
+
+    class Recorded(memory.Opened):
+        def __init__(self, copy, check="all"):
+            checks.append((copy.step, check))
+            super().__init__(copy, check)
+
+    monkeypatch.setattr(tier_module, "Opened", Recorded)
+    tier._opened(older, "all").close()     # no check at the start
+    tier.start_check()                       # the start checks the newest copy...
+    tier._opened(older, "all").close()     # ...but the restore takes an older one
+    tier._opened(newest, "none").close()   # a copy checked as it arrived
+    assert checks == [(5, "all"), (7, "all"), (5, "all"), (7, "none")]
+    tier.start_check()
+    opened = tier._opened(newest, "all")          # the start's check is the restore's:
+    assert checks[4:] == [(7, "all")] and opened.copy.step == 7   # not opened again
+    opened.close()
 
 
 def test_partners_are_on_another_node_and_one_node_has_none():

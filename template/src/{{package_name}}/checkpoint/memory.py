@@ -427,5 +427,11 @@ def inventory(folder: Path, world_size: int) -> dict[tuple[int, int], Copy]:
     return found
 
 
+def newest_copy(folder: Path, rank: int, world_size: int) -> Copy | None:
+    """``rank``'s newest complete copy of its own state on this node (None: none)."""
+    mine = [copy for (r, _), copy in inventory(folder, world_size).items() if r == rank]
+    return max(mine, key=lambda copy: copy.step, default=None)
+
+
 def free(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)

@@ -56,6 +56,7 @@ from .memory import (
     flatten,
     free,
     inventory,
+    newest_copy,
     run_folder,
     slots_of,
     table_of_size,
@@ -163,16 +164,16 @@ class MemoryTier:
     def _opened(self, copy: Copy, check: str) -> Opened:
         """``copy`` opened and checked as ``check`` says: by ``start_check`` when it
         checked this copy."""
-        check, self._check = self._check, None
-        if check is not None:
-            check.join(self.timeout_s)
-            if not check.is_alive() and check.copy is not None \
-                    and check.copy.path == copy.path and check.copy.step == copy.step:
-                if check.error is not None:
-                    raise check.error
-                return check.opened
-            if not check.is_alive() and check.opened is not None:
-                check.opened.close()
+        early, self._check = self._check, None
+        if early is not None:
+            early.join(self.timeout_s)
+            if not early.is_alive() and early.copy is not None \
+                    and early.copy.path == copy.path and early.copy.step == copy.step:
+                if early.error is not None:
+                    raise early.error
+                return early.opened
+            if not early.is_alive() and early.opened is not None:
+                early.opened.close()
         return Opened(copy, check)
 
     def slots(self, rank: int) -> list[Slot]:
@@ -285,8 +286,8 @@ class MemoryTier:
     # ---------------------------------------------------------------- restore --
     def newest_own_step(self) -> int | None:
         """The step of this rank's newest complete copy on this node (None: none)."""
-        return max((step for rank, step in inventory(self.folder, self.runtime.world_size)
-                    if rank == self.runtime.rank), default=None)
+        copy = newest_copy(self.folder, self.rank, self.runtime.world_size)
+        return copy.step if copy is not None else None
 
     def restore(self, state: dict[str, Any], durable_step: int | None) -> Committed | None:
         """Load the newest copy every rank can reach when it is not older than
@@ -388,10 +389,8 @@ class _Check(threading.Thread):
 
     def run(self) -> None:
         began = time.perf_counter()
-        mine = [c for (r, _), c in inventory(self.folder, self.world_size).items()
-                if r == self.rank]
-        if mine:
-            self.copy = max(mine, key=lambda c: c.step)
+        self.copy = newest_copy(self.folder, self.rank, self.world_size)
+        if self.copy is not None:
             try:
                 self.opened = Opened(self.copy, self.verify)
             except (OSError, MemoryCopyError) as exc:
