@@ -429,8 +429,6 @@ def test_copy_time_formulas_equal_plan_model_on_random_answers():
             "lost_node": failure["node_loss"].lost_seconds_with,
             "memory_shards_own": two.memory_shards["own"],
             "memory_shards_partner": two.memory_shards["partner"],
-            "memory_shards_own_peak": two.memory_shards["own_peak"],
-            "memory_shards_partner_peak": two.memory_shards["partner_peak"],
         }
         assert {name: getattr(got, name) for name in expected} == expected, answers
         assert (got.badput_without_memory_percent, got.badput_with_memory_percent) \

@@ -469,15 +469,14 @@ def break_even_memory_blocking(inputs: Inputs) -> float | None:
 # Shards of its own size each rank keeps in memory with the memory tier on, (own,
 # partner's): two slots each (checkpoint/memory.py SLOTS), both kept once written, so the
 # steady state is the peak.
-MEMORY_SHARDS_STEADY = (2, 2)
-MEMORY_SHARDS_PEAK = (2, 2)
+MEMORY_SHARDS = (2, 2)
 
 
 def memory_shards_per_rank(nodes: int) -> dict[str, int]:
-    """The copies one rank holds, as multiples of its shard: own + partner's (none on one node)."""
-    partner = 1 if nodes >= 2 else 0
-    return {"own": MEMORY_SHARDS_STEADY[0], "partner": partner * MEMORY_SHARDS_STEADY[1],
-            "own_peak": MEMORY_SHARDS_PEAK[0], "partner_peak": partner * MEMORY_SHARDS_PEAK[1]}
+    """The copies one rank holds, as multiples of its shard: own + partner's (none on one
+    node). The ``_peak`` figures equal them: no slot is added while a copy is written."""
+    own, partner = MEMORY_SHARDS[0], MEMORY_SHARDS[1] if nodes >= 2 else 0
+    return {"own": own, "partner": partner, "own_peak": own, "partner_peak": partner}
 
 
 @dataclass(frozen=True)

@@ -99,10 +99,11 @@ def _naming_dead_workers(loader_iter: Iterator[Any]) -> Iterator[Any]:
         except (OSError, EOFError) as exc:
             workers = getattr(loader_iter, "_workers", ())
             deadline = time.monotonic() + WORKER_EXIT_WAIT_S
-            dead = [w.pid for w in workers if not w.is_alive()]
-            while workers and not dead and time.monotonic() < deadline:
-                time.sleep(0.05)
+            while True:
                 dead = [w.pid for w in workers if not w.is_alive()]
+                if dead or not workers or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
             if dead:
                 raise RuntimeError(f"DataLoader worker (pid(s) {', '.join(map(str, dead))}) "
                                    f"exited unexpectedly") from exc

@@ -218,6 +218,7 @@ def run(drill, start, finish) -> dict[str, Any]:
     failures = [f"{n}: {s['verdict']}" for n, s in scenarios.items() if not s["passed"]]
     if not freed:
         failures.append("the finished reference run left its memory copies behind")
+    commands = {"reference": shlex.join(reference_cmd)}
     report = {"passed": passed, "tier": "memory", "steps": drill.steps,
               "durable_interval_steps": k, "memory_interval_steps": every,
               "world_size": drill.save_ranks, "scenarios": scenarios,
@@ -225,8 +226,7 @@ def run(drill, start, finish) -> dict[str, Any]:
               "verdict": "; ".join(failures) or ("every failure restarted from the expected "
                                                   "tier and matched the uninterrupted run "
                                                   "step by step"),
-              "commands": {"reference": shlex.join(reference_cmd)},
-              }
+              "commands": commands}
     drill_report.write_report(drill.out, report, markdown(report))
     return report
 
