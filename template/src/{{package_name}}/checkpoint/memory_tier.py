@@ -22,6 +22,10 @@ fails anywhere falls back to durable storage with nothing changed. Copies are us
 by a start that continues a run (its attempt records say a start ran before); any
 other start clears them. They are freed when the job ends with its final state
 committed to durable storage; after a failure they stay for the restart.
+
+(A few lines over 400: saving, the round in the thread and restoring share the slots
+and the agreed flag; the copy's format is in memory.py, the partner's copy in
+partners.py.)
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ saved; 74 several nodes, and one of them was lost (the others stopped; run again
 (docs/RECOVERY.md); 130 stopped by the user; otherwise torchrun's status (1:
 workers crashed more often than ``recovery.max_restarts`` in-place restarts allow;
 128+N: torchrun was killed by signal N).
+
+(A few lines over 400: the command line, the choice of checkpoint and the translation
+of torchrun's status stay together, so that each exit status above reads beside the
+check that gives it.)
 """
 
 from __future__ import annotations
