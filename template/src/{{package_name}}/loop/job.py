@@ -40,6 +40,7 @@ from ..checkpoint import (
 )
 from ..checkpoint.background import stop_background_processes
 from ..config import Config, ConfigError, load_config, to_plain_dict
+from ..preemption.launcher import LauncherWatch
 from ..preemption.stop import StopCoordinator
 from ..preemption.watch import PreemptionWatch, effective_grace_s, start_notice_poller
 from ..recovery.attempts import FAILURES, Attempt, cause, gather_previous
@@ -110,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"longer than {cfg.preemption.notice_source.value}'s notice window; the "
                     f"final save is planned against {grace:g} s")
     stop = StopCoordinator(watch, runtime, grace)
+    # A launcher that dies (torchrun without --signals-to-handle, on a SIGUSR1) is seen
+    # within a second; past the grace period this worker ends itself, children first.
+    orphan_guard = (LauncherWatch(watch, stop.launcher_pid, grace,
+                                  status=lambda: exit_codes.NOT_SAVED).start()
+                    if stop.launcher_pid is not None else None)
     watchdog = _watchdog(cfg, runtime, attempt)
     checkpointer: Checkpointer | None = None
     try:
@@ -141,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             stop_background_processes()
             os._exit(code if "code" in locals() else exit_codes.FAILED)
         teardown()
+        if orphan_guard is not None:
+            orphan_guard.stop()
         # Last: a signal that comes while shutting down is only counted, never kills.
         watch.uninstall()
     return code

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.distributed import Runtime
+from . import launcher
 from .watch import PreemptionWatch
 
 
@@ -34,7 +35,7 @@ class StopCoordinator:
         self.runtime = runtime
         self.grace_period_s = grace_period_s
         # Under torchrun the parent is the launcher; it must outlive its workers.
-        self.launcher_pid = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+        self.launcher_pid = launcher.launcher_pid()
 
     @property
     def requested(self) -> bool:
@@ -48,8 +49,7 @@ class StopCoordinator:
         stop here too: workers never train on as orphans.
         """
         if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
-            self.watch.request("launcher-gone", f"the parent process {self.launcher_pid} "
-                                                "(torchrun) has exited")
+            self.watch.request(launcher.SOURCE, launcher.describe(self.launcher_pid))
         request = self.watch.requested
         earliest = request.wall_time if request is not None else math.inf
         failed = float(failed_saves)

@@ -1,0 +1,98 @@
+"""A worker whose launcher died stops within the grace period, and leaves nothing behind.
+
+torchrun started without ``--signals-to-handle`` dies of a SIGUSR1 (its default action),
+and any launcher can be killed outright; its workers are then re-parented (to PID 1 or a
+subreaper) and nobody will ever signal them. ``LauncherWatch`` is a thread that looks at
+the parent process every ``POLL_S``:
+
+1. when the parent is no longer the launcher, it asks for a stop (source
+   ``launcher-gone``): at the next step boundary every rank agrees, the save policy
+   drains the save in flight and commits a final checkpoint as on a preemption;
+2. if the process is still there ``grace_s`` after that (a step, a save or a collective
+   that never returns, an output pipe nobody reads any more), it ends it: child
+   processes (DCP's checkpoint process, DataLoader workers) first, then itself with
+   ``os._exit``. The newest committed checkpoint is untouched: a checkpoint counts only
+   once its commit record is written, so a save cut off here never counts.
+
+The hard end comes ``grace_s - MARGIN_S`` after the launcher was seen gone, so that at
+the default 30 s grace period no worker lives 30 s past its launcher.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from .watch import PreemptionWatch
+
+POLL_S = 0.25         # how often the parent is looked at
+MARGIN_S = 1.0        # the hard end comes this much before the grace period is over
+MIN_DEADLINE_S = 3.0  # never sooner than this after the launcher was seen gone
+
+SOURCE = "launcher-gone"
+
+
+def launcher_pid() -> int | None:
+    """The launcher (torchrun) that must outlive this worker, or None outside torchrun."""
+    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+def describe(pid: int) -> str:
+    return f"the parent process {pid} (torchrun) has exited"
+
+
+class LauncherWatch:
+    """Watches the launcher; see the module docstring. ``status`` gives the exit status of
+    a hard end (called from this thread: it must only read)."""
+
+    def __init__(self, watch: PreemptionWatch, pid: int, grace_s: float,
+                 status: Callable[[], int], poll_s: float = POLL_S) -> None:
+        self.watch = watch
+        self.pid = pid
+        self.deadline_s = max(grace_s - MARGIN_S, MIN_DEADLINE_S)
+        self.status = status
+        self.poll_s = poll_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="launcher-watch", daemon=True)
+
+    def start(self) -> LauncherWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """The process is ending on its own: no hard end any more."""
+        self._done.set()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.poll_s):
+            if os.getppid() != self.pid:
+                break
+        else:
+            return
+        self.watch.request(SOURCE, describe(self.pid))
+        if self._done.wait(self.deadline_s):
+            return  # ended in time
+        end_now(self.status(), f"the launcher (pid {self.pid}) is gone and this worker did "
+                               f"not end within {self.deadline_s:g} s: ending it now; the "
+                               "newest committed checkpoint is the one to resume from")
+
+
+def end_now(status: int, sentence: str) -> None:
+    """Kill this process's children, say one line if stderr takes it, and exit."""
+    for child in multiprocessing.active_children():
+        try:
+            child.kill()
+        except OSError:
+            pass
+    try:  # nobody may read stderr any more: never block on it
+        flags = fcntl.fcntl(2, fcntl.F_GETFL)
+        fcntl.fcntl(2, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+        os.write(2, f"error: {sentence} (exit status {status})\n".encode())
+    except OSError:
+        pass
+    time.sleep(0.1)  # the children's SIGKILL is delivered before their parent goes
+    os._exit(status)
