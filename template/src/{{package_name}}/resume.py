@@ -5,7 +5,10 @@ The command `python -m <package>.resume`; its code and usage are in `launch/supe
 
 import sys
 
-from .launch.supervisor import main
-
 if __name__ == "__main__":
+    from .preemption import early
+
+    early.hold()  # a stop signal during the imports below is kept for the stop, not fatal
+    from .launch.supervisor import main
+
     sys.exit(main())

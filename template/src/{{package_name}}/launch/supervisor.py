@@ -43,15 +43,18 @@ from pathlib import Path
 
 from .. import PACKAGE
 from ..checkpoint import Committed, compat, newest_complete_checkpoint, open_storage
+from ..checkpoint.layout import check_storage
 from ..checkpoint.lease import Lease, LeaseHeld, scheduler_job_id
 from ..checkpoint.outage import command_failure, with_retries
 from ..checkpoint.storage import Storage
 from ..config import Config, ConfigError, PreemptionConfig, RecoveryConfig, VerifyMode, load_config
 from ..loop.sampling import BatchSizeError, split_global_batch
 from ..loop.task_contract import check_config, load_task
+from ..preemption import early
 from ..recovery.attempts import describe, read_records
 from ..runtime import exit_codes, phases
 from ..runtime.metrics import Event, read_events
+from .agent import as_agent
 from .command import DEFAULT_RDZV_ID, positive_int, rdzv_conf, torchrun_command
 
 # Forwarded to torchrun even when preemption.signals does not list them: Ctrl-C and the
@@ -211,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                                    nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint,
                                    rdzv_id=args.rdzv_id, rdzv_conf=args.rdzv_conf,
                                    rendezvous_timeout_s=cfg.recovery.rendezvous_timeout_s)
+        if not args.dry_run:  # a missing bucket or a full disk: refused before the launch
+            ckpt = cfg.checkpoint
+            check_storage(storage, ckpt.keep_last + ckpt.keep_best, ckpt.storage_retry_s)
         # What training will resume from. Its checksums are checked once, by training
         # (rank 0, before loading): here the sizes and the commit record are enough,
         # and a cloud store's bytes are not read an extra time.
@@ -281,8 +287,13 @@ def supervise(command: list[str], storage: Storage, before: Committed | None,
 
     names = dict.fromkeys([*ALWAYS_FORWARDED, *preemption.signals])
     previous = {sig: signal.signal(sig, forward) for sig in (signal.Signals[n] for n in names)}
+    held = early.take(list(previous))   # signals that came while this command started
+    if held:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        return stopped_before_launch(held[0], preemption)
     try:
-        proc = subprocess.Popen(command)
+        proc = subprocess.Popen(as_agent(command))
         for signum in pending:
             proc.send_signal(signum)
         returncode = proc.wait()
@@ -306,6 +317,17 @@ def supervise(command: list[str], storage: Storage, before: Committed | None,
             if holder is not None:
                 print(f"resume: released the lease of {holder}: this job has ended",
                       file=sys.stderr, flush=True)
+    return status
+
+
+def stopped_before_launch(sig: signal.Signals, preemption: PreemptionConfig) -> int:
+    """A signal came before torchrun was started: nothing has trained, nothing is lost."""
+    status = (exit_codes.INTERRUPTED if sig == signal.SIGINT
+              else preemption.exit_code if sig.name in preemption.signals else 128 + sig)
+    print(f"resume: {sig.name} arrived before training was launched: nothing new to save, "
+          f"the newest committed checkpoint is unchanged; exit {status}"
+          + (": run resume again" if status == preemption.exit_code else ""),
+          file=sys.stderr, flush=True)
     return status
 
 

@@ -38,7 +38,7 @@ from ..checkpoint import (
     Committed,
     IncompatibleCheckpoint,
 )
-from ..checkpoint.background import stop_background_processes
+from ..checkpoint.background import quiet_checkpoint_process_exit, stop_background_processes
 from ..config import Config, ConfigError, load_config, to_plain_dict
 from ..preemption.launcher import LauncherWatch
 from ..preemption.stop import StopCoordinator
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     watch = PreemptionWatch(cfg.preemption.signals)
     watch.install()  # before anything slow, so an early signal is not lost
+    quiet_checkpoint_process_exit()
     try:  # a fatal error (a segmentation fault) prints every thread's stack
         faulthandler.enable(all_threads=True)
     except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor
@@ -179,7 +180,8 @@ def _no_restart_in_place(code: int, stop: StopCoordinator, runtime: Runtime,
         return
     print(f"exit status {code} was decided by training, not a failure: asking torchrun "
           f"(pid {launcher}) to stop instead of restarting the workers in place "
-          "(its SignalException below is that)", file=sys.stderr, flush=True)
+          "(under plain torchrun, its SignalException below is that)", file=sys.stderr,
+          flush=True)
     os.kill(launcher, signal.SIGTERM)
 
 

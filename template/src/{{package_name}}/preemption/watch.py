@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ..config import NoticeSource, PreemptionConfig
 from ..runtime.exit_codes import INTERRUPTED as INTERRUPTED_EXIT
+from . import early
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class PreemptionWatch:
     def install(self) -> None:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        for sig in early.take(self.signals):  # came while the command was importing
+            self.request(sig.name, "arrived while the command was starting")
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():

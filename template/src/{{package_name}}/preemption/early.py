@@ -1,0 +1,47 @@
+"""Signals that come while a command is still starting are kept, not fatal.
+
+Importing torch takes seconds; a SIGTERM in that time would end the process with the
+default action (exit 143) before any handler is installed, and a preemption that lands
+early would look like a crash. The command entries (``train.py``, ``resume.py``) call
+``hold()`` before their first heavy import; the real handlers, once installed, take the
+signals held so far with ``take()``. Only this module's standard-library imports run
+before ``hold()``.
+"""
+
+from __future__ import annotations
+
+import signal
+
+HELD = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+_pending: list[signal.Signals] = []
+_before: dict[signal.Signals, object] = {}
+
+
+def _record(signum: int, _frame) -> None:
+    _pending.append(signal.Signals(signum))
+
+
+def hold() -> None:
+    """Record HELD signals from now on, until ``take`` hands them over."""
+    for sig in HELD:
+        _before[sig] = signal.signal(sig, _record)
+
+
+def take(handled: list[signal.Signals] | tuple[signal.Signals, ...]) -> list[signal.Signals]:
+    """The signals held so far, in order of arrival, once each; nothing is held after.
+
+    Call it right after installing the real handlers for ``handled``. A HELD signal that
+    is not among ``handled`` gets back the handler it had before ``hold()``, and if it
+    came meanwhile, it is raised again now, as if it had never been held (SIGUSR1's and
+    SIGTERM's default action ends the process).
+    """
+    held = list(dict.fromkeys(_pending))
+    _pending.clear()
+    for sig, before in _before.items():
+        if sig not in handled and signal.getsignal(sig) is _record:
+            signal.signal(sig, before)
+    _before.clear()
+    for sig in held:
+        if sig not in handled:
+            signal.raise_signal(sig)
+    return [sig for sig in held if sig in handled]
