@@ -45,6 +45,28 @@ class Evaluator:
     def enabled(self) -> bool:
         return self.dataset is not None and len(self.dataset) > 0
 
+    def missing(self) -> str | None:
+        """Why an evaluation the config asks for will not run, and what to add; None when
+        it runs or is not asked for. Said once at the start (tasks written before
+        evaluation existed have no ``build_eval_data``)."""
+        asked = [key for key, on in (("eval.at_end=true", self.cfg.eval.at_end),
+                                     (f"eval.every_steps={self.cfg.eval.every_steps}",
+                                      self.cfg.eval.every_steps > 0)) if on]
+        if not asked or self.enabled:
+            return None
+        off = ("eval.at_end=false" + (" and eval.every_steps=0"
+                                      if self.cfg.eval.every_steps > 0 else ""))
+        if self.task.build_eval_data is None:
+            return (f"notice: the config asks for evaluation ({', '.join(asked)}) but task.py "
+                    "defines no build_eval_data, so nothing is evaluated. To evaluate, add "
+                    "to task.py:  def build_eval_data(cfg): return <held-out samples, a "
+                    "Dataset like build_data's>  (docs/EXTENDING.md shows the default task's, "
+                    "which holds out the last data.eval_fraction of the samples); to say "
+                    f"no evaluation, set {off}")
+        return (f"notice: the config asks for evaluation ({', '.join(asked)}) but "
+                "build_eval_data returned no samples (is data.eval_fraction 0?), so nothing "
+                f"is evaluated; to say no evaluation, set {off}")
+
     def due(self, step: int) -> bool:
         """Whether the evaluation of ``step`` is due (every ``eval.every_steps`` steps and,
         with ``eval.at_end``, after the last one)."""

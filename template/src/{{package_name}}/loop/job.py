@@ -242,6 +242,9 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: Stop
         f"{trainer.progress.step}, {runtime.world_size} rank(s) on {runtime.device.type}, "
         f"gradient accumulation {trainer.split.grad_accum_steps}, "
         f"checkpoints every {cfg.checkpoint.interval_steps} steps to {cfg.checkpoint.dir}")
+    missing_eval = trainer.evaluator.missing()
+    if missing_eval is not None:
+        metrics.say(missing_eval)
     trainer.on_first_step = lambda step: _first_step(metrics, attempt, previous, step, failed)
     try:
         outcome = trainer.run()
