@@ -40,6 +40,7 @@ from ..checkpoint import (
 )
 from ..checkpoint.background import quiet_checkpoint_process_exit, stop_background_processes
 from ..config import Config, ConfigError, load_config, to_plain_dict
+from ..ledger.history import HistorySink
 from ..preemption.launcher import LauncherWatch
 from ..preemption.stop import StopCoordinator
 from ..preemption.watch import PreemptionWatch, effective_grace_s, start_notice_poller
@@ -225,6 +226,9 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: Stop
         return _refuse(refused)
     failed = previous is not None and previous["kind"] in FAILURES
     failed_at = previous.get("failed_at") if failed else None
+    if runtime.is_main:   # this start's record in the interruption history (ledger/)
+        metrics.sinks.append(HistorySink(checkpointer.storage, cfg.preemption.exit_code,
+                                         previous))
     metrics.event(Event.start, step=trainer.progress.step, world_size=runtime.world_size,
                   grad_accum_steps=trainer.split.grad_accum_steps,
                   resumed_from=resumed.path if resumed else None,

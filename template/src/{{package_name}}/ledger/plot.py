@@ -1,0 +1,63 @@
+"""The ledger as a picture: one row per start, time running left to right (``--plot``).
+
+Each row shows the start's restart phases (from its process start to its first step),
+its steps (productive or rework), the time blocked by saves and evaluations; the gap
+before a row is the downtime (detection and queue), and a red mark is an interruption.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .accounts import Ledger
+
+COLOURS = {"productive": "#2e7d32", "rework": "#ef6c00", "training": "#66bb6a",
+           "saving": "#1565c0", "eval": "#6a1b9a", "restart": "#9e9e9e",
+           "downtime": "#e57373"}
+
+
+class PlotUnavailable(RuntimeError):
+    pass
+
+
+def plot_timeline(ledger: Ledger, path: str | os.PathLike) -> None:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError as exc:
+        raise PlotUnavailable("--plot needs matplotlib, the project's `plot` extra: "
+                              "python -m pip install -e '.[plot]' (in the project "
+                              "directory)") from exc
+    origin = ledger.starts[0]["begin"]
+    rows = len(ledger.starts)
+    figure = Figure(figsize=(10, 1.2 + 0.5 * rows))
+    axes = figure.add_subplot()
+    previous_end = None
+    for row, span in enumerate(ledger.starts):
+        y = rows - 1 - row
+        bars = []
+        if previous_end is not None and span["begin"] > previous_end:
+            bars.append((previous_end, span["begin"], "downtime"))
+        first = min((s[0] for s in span["steps"]), default=span["end"])
+        bars.append((span["begin"], first, "restart"))
+        bars += [(a, b, part) for a, b, part in span["steps"]]
+        bars += [(a, b, "saving") for a, b in span["saves"]]
+        bars += [(a, b, "eval") for a, b in span["evals"]]
+        for a, b, part in bars:
+            axes.broken_barh([(a - origin, max(b - a, 0.0))], (y - 0.35, 0.7),
+                             facecolors=COLOURS[part])
+        previous_end = span["end"]
+    for item in ledger.interruptions:
+        if item["time"] is not None:
+            axes.axvline(item["time"] - origin, color="#c62828", linewidth=1)
+    axes.set_yticks(range(rows), [f"start {rows - k}" for k in range(rows)])
+    axes.set_xlabel("seconds since the first start")
+    axes.set_title(f"where the time went: badput {ledger.badput_percent:.1f} %, "
+                   f"{len(ledger.interruptions)} interruption(s)")
+    axes.legend(handles=[Patch(color=c, label=n) for n, c in COLOURS.items()],
+                loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(COLOURS),
+                fontsize="small", frameon=False)
+    figure.tight_layout()
+    FigureCanvasAgg(figure)
+    figure.savefig(os.fspath(path))
