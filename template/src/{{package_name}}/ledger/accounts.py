@@ -49,8 +49,11 @@ class Start:
     def started_at(self) -> float:
         phases = {e["phase"]: e["at"] for e in self.events if e["event"] == Event.phase
                   and e.get("at") is not None}
-        return float(phases.get("process_started", self.record.get("started_at")
-                                or self.events[0]["time"]))
+        if "process_started" in phases:
+            return float(phases["process_started"])
+        if self.record.get("started_at") is not None:
+            return float(self.record["started_at"])
+        return float(self.events[0]["time"])
 
     @property
     def last_time(self) -> float:
@@ -84,7 +87,7 @@ class Ledger:
 def split_starts(records: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[Start]:
     """Pair the history's records with the metrics' starts (a ``start`` event each)."""
     segments: list[list[dict[str, Any]]] = []
-    for event in sorted(events, key=lambda e: e.get("time", 0.0)):
+    for event in events:   # in the file's order: each start's events follow its start event
         if event["event"] == Event.start or not segments:
             segments.append([])
         segments[-1].append(event)
