@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, _env, project_module
+from conftest import ROOT, _env, project_module, run_module
 
 mtbi = project_module("ledger.mtbi")
 accounts = project_module("ledger.accounts")
@@ -206,3 +206,43 @@ def test_the_history_on_an_object_store_and_the_previous_end(tmp_path):
         "preempted_no_notice"
     assert json.loads(json.dumps(records))   # plain JSON, as documented
     assert math.isfinite(records[0]["started_at"])
+
+
+# ------------------------------------------------------- the plan and resume --
+def write_history(root, count: int, hours: float, kind: str = "preempted_notice") -> None:
+    """``count`` interruptions spread over ``hours`` of training, then a running start."""
+    folder = root / history.HISTORY_DIR
+    folder.mkdir(parents=True)
+    span = hours * 3600 / (count + 1)
+    for k in range(count + 1):
+        begin = 1.7e9 + k * span
+        record = {"format": history.FORMAT, "id": f"{k:08d}", "started_at": begin,
+                  "first_step_at": begin + 60, "resumed_step": 100 * k,
+                  "last_step": 100 * k + 90, "last_seen": begin + span - 120, "restart": 0}
+        if k:
+            record["previous"] = {"kind": kind, "step": 100 * k - 10, "durable_step": 100 * k,
+                                  "steps_lost": 0, "ended_at": begin - 120}
+        name = history.record_name(begin, record["id"]).split("/")[-1]
+        (folder / name).write_text(json.dumps(record))
+
+
+def test_plan_from_history_and_the_unasked_notice(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    write_history(ckpt, 9, 17.0)
+    args = [f"checkpoint.dir={ckpt}", f"log.dir={tmp_path / 'logs'}", "plan.mtbi_hours=8"]
+    proc = run_module("plan", "--json", "--from-history", *args)
+    planned = json.loads(proc.stdout)
+    assert planned["inputs"]["mtbi_hours"] == pytest.approx(17.0 * 0.98 / 9, rel=0.05)
+    assert planned["inputs"]["crash_share"] == 0.0
+    assert "from the history, measured MTBI" in proc.stderr
+    notice = run_module("plan", *args).stderr
+    assert "notice: measured MTBI" in notice and "from 9 interruptions" in notice
+    assert "configured 8 h" in notice and "--from-history" in notice
+    assert "notice: measured MTBI" in run_module("resume", "--dry-run", *args).stderr
+    # an MTBI the interval holds: nothing said
+    assert "notice:" not in run_module("plan", *args[:2], "plan.mtbi_hours=2").stderr
+    few = tmp_path / "few"
+    write_history(few, 2, 1.0)
+    refused = run_module("plan", "--from-history", f"checkpoint.dir={few}", check=False)
+    assert refused.returncode == 2 and "too few to plan with" in refused.stderr
+    assert "Traceback" not in refused.stderr

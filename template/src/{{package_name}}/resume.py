@@ -5,10 +5,12 @@ The command `python -m <package>.resume`; its code and usage are in `launch/supe
 
 import sys
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a stop signal during the imports below is kept, not fatal
     from .preemption import early
 
-    early.hold()  # a stop signal during the imports below is kept for the stop, not fatal
-    from .launch.supervisor import main
+    early.hold()
 
+from .launch.supervisor import main  # after the hold
+
+if __name__ == "__main__":
     sys.exit(main())

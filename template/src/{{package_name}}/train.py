@@ -5,10 +5,12 @@ The command `python -m <package>.train`; its code and usage are in `loop/job.py`
 
 import sys
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a stop signal during the imports below is kept, not fatal
     from .preemption import early
 
-    early.hold()  # a stop signal during the imports below is kept for the stop, not fatal
-    from .loop.job import main
+    early.hold()
 
+from .loop.job import main  # after the hold
+
+if __name__ == "__main__":
     sys.exit(main())

@@ -18,7 +18,11 @@ import sys
 from pathlib import Path
 
 from .. import PACKAGE
+from ..checkpoint.storage import open_storage
 from ..config import DEFAULT_CONFIG, Config, ConfigError, load_config
+from ..ledger.advice import inputs_from, mtbi_notice, run_ledger
+from ..ledger.advice import measured as ledger_measured
+from ..ledger.mtbi import describe as describe_mtbi
 from ..runtime import exit_codes
 from .formulas import (
     Inputs,
@@ -29,6 +33,7 @@ from .formulas import (
     make_two_tier,
     read_metrics,
 )
+from .inputs import FLAGS, configured_inputs
 from .plot import PLOT_SUFFIXES, PlotUnavailable, plot_badput
 from .report import (
     checklist_language,
@@ -41,19 +46,6 @@ from .report import (
     write_atomically,
 )
 
-# Inputs field -> (command-line flag, key in the config's `plan:` section)
-FLAGS = {
-    "mtbi_hours": ("--mtbi-hours", "mtbi_hours"),
-    "step_seconds": ("--step-seconds", "step_time_s"),
-    "blocking_seconds": ("--blocking-seconds", "checkpoint_save_s"),
-    # Before anything is measured one save time stands for both δ and L.
-    "commit_latency_seconds": ("--commit-latency-seconds", "checkpoint_save_s"),
-    "restart_seconds": ("--restart-seconds", "restart_s"),
-    "badput_target_percent": ("--badput-target-percent", "badput_target_percent"),
-    "crash_share": ("--crash-share", "crash_share"),
-    "nodes": ("--nodes", "nodes"),
-    "node_loss_share": ("--node-loss-share", "node_loss_share"),
-}
 # Without a flag or a config: assumptions (half of the interruptions are crashes, a fifth
 # node losses) and the default node count (one node, so the job's MTBI is the node's).
 ASSUMED = {name: Inputs.__dataclass_fields__[name].default
@@ -114,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics", metavar="FILE",
                         help="metrics.jsonl (or its folder) from training: T, δ and L are its "
                              "medians")
+    parser.add_argument("--from-history", action="store_true",
+                        help="plan with what the interruption history measured: the MTBI, "
+                             "the crash and node-loss shares, R and R_in (python -m "
+                             f"{PACKAGE}.goodput shows them; at least 3 interruptions)")
     parser.add_argument("--config", metavar="PATH",
                         help="config with a `plan:` section "
                              f"(default: {DEFAULT_CONFIG} if present)")
@@ -167,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     in_place = args.in_place_restart_seconds
     if in_place is None and measured is not None:
         in_place = measured.in_place_restart_seconds
+    if args.from_history:
+        inputs, in_place = _from_history(args, config, inputs, in_place, origins, parser)
+    elif config is not None:
+        _say_measured_mtbi(config, inputs)
     origins["in_place_restart_seconds"] = "--in-place-restart-seconds"
     # The memory tier at the configured intervals: checkpoint.memory_interval_steps (or
     # the flag) with the config's durable interval, or the recommended one without a config.
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     # What the config planned with and its interval, shown beside the measurements.
     planned = configured = None
     if config is not None:
-        planned = Inputs(**{field: getattr(config.plan, key) for field, (_, key) in FLAGS.items()})
+        planned = configured_inputs(config)
         configured = config.checkpoint.interval_steps
 
     if args.json:
@@ -230,6 +230,39 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"argument --write: {target}: {exc}")
         print(f"plan: refreshed the measured section of {target}", file=sys.stderr)
     return 0
+
+
+def _from_history(args, config: Config | None, inputs: Inputs, in_place: float | None,
+                  origins: dict[str, str], parser) -> tuple[Inputs, float | None]:
+    """The inputs with the history's measurements in place of the config's answers (a
+    flag given by hand still wins)."""
+    if config is None:
+        parser.error("--from-history needs a config: the history is in its checkpoint.dir")
+    try:
+        ledger, _, _ = run_ledger(config)
+        found = ledger_measured(ledger)
+        from_history = inputs_from(inputs, found)
+    except (LookupError, ValueError) as exc:
+        parser.error(f"argument --from-history: {exc}")
+    kept = {field: getattr(inputs, field) for field in ("mtbi_hours", "crash_share",
+            "node_loss_share", "restart_seconds") if getattr(args, field) is not None}
+    for field in ("mtbi_hours", "crash_share", "node_loss_share", "restart_seconds"):
+        if field not in kept and getattr(from_history, field) != getattr(inputs, field):
+            origins[field] = "--from-history"
+    if in_place is None and found.in_place_restart_s is not None:
+        in_place = found.in_place_restart_s
+    print(f"plan: from the history, {describe_mtbi(found.mtbi)}", file=sys.stderr)
+    return dataclasses.replace(from_history, **kept), in_place
+
+
+def _say_measured_mtbi(config: Config, inputs: Inputs) -> None:
+    """Unasked: one line when the history's MTBI interval excludes the configured one."""
+    try:
+        notice = mtbi_notice(config, open_storage(config.checkpoint.dir), inputs)
+    except Exception:  # noqa: BLE001 - the plan stands without the history
+        return
+    if notice is not None:
+        print(notice, file=sys.stderr)
 
 
 def resolve_inputs(args, config: Config | None, config_path: str, measured, parser):

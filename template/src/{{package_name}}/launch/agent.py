@@ -6,7 +6,7 @@ torchrun (``torch.distributed.run``) answers SIGTERM, SIGINT or a forwarded SIGU
 stopping its workers and raising ``SignalException``, whose traceback is printed after
 the workers' clean save: the user sees a crash where there was none. This entry runs the
 same ``main`` and turns that one exception into one line; its exit status stays
-torchrun's (1), which ``resume`` translates (``launch/supervisor.py``). Every other
+torchrun's (1), which ``resume`` translates (``launch/verdict.py``). Every other
 error keeps its traceback. ``resume --dry-run`` prints the plain torchrun command: the
 two take the same arguments.
 """
@@ -19,7 +19,10 @@ TORCHRUN_MODULE = "torch.distributed.run"
 
 
 def as_agent(command: list[str]) -> list[str]:
-    """``command`` (a ``torchrun_command``) with this entry in place of torchrun's module."""
+    """``command`` (a ``torchrun_command``) with this entry in place of torchrun's module;
+    any other command as it is."""
+    if TORCHRUN_MODULE not in command:
+        return list(command)
     at = command.index(TORCHRUN_MODULE)
     return [*command[:at], f"{PACKAGE}.launch.agent", *command[at + 1:]]
 

@@ -23,9 +23,7 @@ saved; 74 several nodes, and one of them was lost (the others stopped; run again
 workers crashed more often than ``recovery.max_restarts`` in-place restarts allow;
 128+N: torchrun was killed by signal N).
 
-(A few lines over 400: the command line, the choice of checkpoint and the translation
-of torchrun's status stay together, so that each exit status above reads beside the
-check that gives it.)
+How torchrun's status becomes one of these is in ``launch/verdict.py``.
 """
 
 from __future__ import annotations
@@ -48,14 +46,21 @@ from ..checkpoint.lease import Lease, LeaseHeld, scheduler_job_id
 from ..checkpoint.outage import command_failure, with_retries
 from ..checkpoint.storage import Storage
 from ..config import Config, ConfigError, PreemptionConfig, RecoveryConfig, VerifyMode, load_config
+from ..interval.inputs import configured_inputs
+from ..ledger.advice import mtbi_notice
 from ..loop.sampling import BatchSizeError, split_global_batch
 from ..loop.task_contract import check_config, load_task
 from ..preemption import early
-from ..recovery.attempts import describe, read_records
 from ..runtime import exit_codes, phases
-from ..runtime.metrics import Event, read_events
 from .agent import as_agent
 from .command import DEFAULT_RDZV_ID, positive_int, rdzv_conf, torchrun_command
+from .verdict import (
+    exit_status,
+    node_lost_since,
+    preemption_logged_since,
+    stopped_before_launch,
+    training_status_since,
+)
 
 # Forwarded to torchrun even when preemption.signals does not list them: Ctrl-C and the
 # signals schedulers use to announce the end of an allocation.
@@ -244,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {sentence}", file=sys.stderr)
         return status
 
+    _say_measured_mtbi(cfg, storage)
     human = sys.stderr if args.dry_run else sys.stdout
     print(point.describe(cfg.train.micro_batch_size, str(storage)), file=human)
     warning = batch_change_warning(cfg, checkpoint)
@@ -260,6 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     return supervise(command, storage, checkpoint, cfg.preemption, Path(cfg.log.dir),
                      nodes=args.nnodes, recovery=cfg.recovery, job_id=job_id,
                      memory_tier=cfg.checkpoint.memory_interval_steps > 0)
+
+
+def _say_measured_mtbi(cfg: Config, storage: Storage) -> None:
+    """Unasked, once: the interruption history's MTBI when it excludes the configured one
+    (ledger/advice.py); the config is not changed."""
+    try:
+        notice = mtbi_notice(cfg, storage, configured_inputs(cfg))
+    except Exception:  # noqa: BLE001 - resuming does not depend on the history
+        return
+    if notice is not None:
+        print(notice, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- supervise --
@@ -318,111 +335,3 @@ def supervise(command: list[str], storage: Storage, before: Committed | None,
                 print(f"resume: released the lease of {holder}: this job has ended",
                       file=sys.stderr, flush=True)
     return status
-
-
-def stopped_before_launch(sig: signal.Signals, preemption: PreemptionConfig) -> int:
-    """A signal came before torchrun was started: nothing has trained, nothing is lost."""
-    status = (exit_codes.INTERRUPTED if sig == signal.SIGINT
-              else preemption.exit_code if sig.name in preemption.signals else 128 + sig)
-    print(f"resume: {sig.name} arrived before training was launched: nothing new to save, "
-          f"the newest committed checkpoint is unchanged; exit {status}"
-          + (": run resume again" if status == preemption.exit_code else ""),
-          file=sys.stderr, flush=True)
-    return status
-
-
-def preemption_logged_since(log_dir: Path, since: float) -> bool:
-    """Whether training logged a preemption stop after ``since`` (e.g. a cloud notice
-    that needed no new checkpoint because the newest one was already at that step)."""
-    return bool(read_events(log_dir, Event.preemption, since=since)[0])
-
-
-def training_status_since(log_dir: Path, since: float) -> tuple[int, str] | None:
-    """The exit status training decided and logged (its ``end`` event) after ``since``.
-
-    torchrun reports 1 for any failed worker; the run's own verdict (2 refused, 73 not
-    saved, 79 no progress, ...) is in the log. After in-place restarts the last start's
-    ``end`` counts.
-    """
-    ends = read_events(log_dir, Event.end, since=since)[0]
-    return (int(ends[-1]["status"]), str(ends[-1].get("reason", ""))) if ends else None
-
-
-def node_lost_since(log_dir: Path, since: float, recovery: RecoveryConfig) -> str | None:
-    """Why torchrun gave up on a node of several, or None when it did not.
-
-    torchrun ends after a worker's failure only when its in-place restarts are used up,
-    when it was signalled, or when the nodes could not meet again: a node is gone (its
-    machine vanished, or its torchrun died with it) and did not come back within
-    ``recovery.rendezvous_timeout_s``. The last of these is read from the exit records
-    of this node's ranks (``recovery/attempts.py``): the newest start of this launch
-    ended in a failure that torchrun would have restarted (a crash, a hang, a rank
-    killed without a word) with restarts left, and no later start followed.
-    """
-    records = [r for r in read_records(log_dir) if r.get("started", 0) >= since]
-    if not records:
-        return None  # no start in this launch: the first meeting failed, torchrun's status
-    restart = max(int(r.get("restart", 0)) for r in records)
-    last = [r for r in records if int(r.get("restart", 0)) == restart]
-    failed = [r for r in last if r["state"] in ("crashed", "hung", "running")]
-    if not failed or any(r["state"] == "ended" for r in last):
-        return None
-    if restart >= recovery.max_restarts:
-        return None  # the in-place restarts were used up: a crash, torchrun's status
-    first = min(failed, key=lambda r: r.get("time", 0))
-    return (f"{describe(first)}; then torchrun could not gather every node for its restart "
-            f"{restart + 1} of {recovery.max_restarts}: the rendezvous waits up to "
-            f"recovery.rendezvous_timeout_s={recovery.rendezvous_timeout_s:g} s, and fails at "
-            "once when the node hosting it is gone")
-
-
-def exit_status(returncode: int, storage: Storage, before: Committed | None,
-                preemption: PreemptionConfig, forwarded: list[str],
-                stopped_by_notice: bool = False,
-                training_status: tuple[int, str] | None = None,
-                node_lost: str | None = None, memory_tier: bool = False) -> int:
-    """0, ``preemption.exit_code`` when the run was preempted, the status training logged
-    when it refused to run (2), could not save its last state (73), stopped retrying
-    because starts kept failing without progress (79) or was interrupted by the user
-    (130), else torchrun's.
-
-    torchrun exits 1 after any signal, even when the workers saved and stopped cleanly,
-    so its status alone cannot tell a preemption from a crash. A run was preempted when
-    a checkpoint with reason "preemption" committed during this launch, when this
-    process itself received (and forwarded) one of ``preemption.signals``, or when
-    training logged a preemption stop during this launch.
-    """
-    if returncode == 0:
-        return 0
-    if training_status is not None and training_status[0] in exit_codes.FINAL:
-        status, reason = training_status
-        print(f"resume: training ended with exit status {status}: {reason}", file=sys.stderr,
-              flush=True)
-        return status
-    try:
-        after = newest_complete_checkpoint(storage, verify="none")  # sizes: quick, in the grace
-    except Exception as exc:  # noqa: BLE001 - the store down now: judge by the signals alone
-        print(f"resume: cannot list {storage} to see the final checkpoint "
-              f"({exit_codes.error_line(exc, 160)})", file=sys.stderr, flush=True)
-        after = None
-    new_preemption_save = (after is not None and after.record.get("reason") == "preemption"
-                           and (before is None or (after.name, after.record)
-                                != (before.name, before.record)))
-    signalled = [name for name in forwarded if name in preemption.signals]
-    if new_preemption_save or signalled or stopped_by_notice:
-        why = (f"checkpoint step {after.step} committed on preemption" if new_preemption_save
-               else f"{signalled[0]} received" if signalled
-               else "training logged a preemption stop")
-        print(f"resume: preempted ({why}); exit {preemption.exit_code}: run resume again",
-              file=sys.stderr, flush=True)
-        return preemption.exit_code
-    if node_lost is not None:
-        durable = f"committed checkpoint{f' (step {after.step})' if after else ''}"
-        print(f"resume: a node of this job was lost ({node_lost}); exit "
-              f"{exit_codes.NODE_LOST}: run again, training resumes from the newest "
-              + (f"memory copy every rank can still reach, or else the newest {durable} "
-                 "(a copy held on the lost node comes from its partner node's)"
-                 if memory_tier else durable), file=sys.stderr, flush=True)
-        return exit_codes.NODE_LOST
-    # A negative status means torchrun died of a signal; report it the way shells do.
-    return 128 - returncode if returncode < 0 else returncode

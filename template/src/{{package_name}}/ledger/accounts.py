@@ -164,6 +164,7 @@ def _interruption(start: Start, previous: dict[str, Any], previous_end: float | 
     first = start.record.get("first_step_at")
     return {"time": ended, "kind": previous["kind"], "step": step, "steps_lost": lost,
             "downtime_s": first - ended if first is not None and ended is not None else None,
+            "in_place": int(start.record.get("restart") or 0) > 0,   # torchrun restarted it
             "detail": previous.get("detail", "")}
 
 

@@ -22,19 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from .. import PACKAGE
-from ..checkpoint import open_storage
 from ..checkpoint.outage import ends_storage_errors
 from ..config import Config, ConfigError, load_config
-from ..interval.command import FLAGS
-from ..interval.formulas import Inputs, MetricsError, badput, badput_components, read_metrics
+from ..interval.formulas import badput, badput_components
 from ..runtime import exit_codes
-from ..runtime.metrics import read_events
-from .accounts import PARTS, RESTART_PHASES, Ledger, account
-from .history import read_history
-from .mtbi import MIN_COUNT, describe, duration, measure_mtbi, share
+from .accounts import PARTS, RESTART_PHASES, Ledger
+from .advice import measured, planned_inputs, run_ledger
+from .mtbi import MIN_COUNT, describe, duration, measure_mtbi
 
 PLOT_SUFFIXES = (".png", ".svg")
-CRASHES = ("crash", "rank_lost", "hang")   # a crash keeps the node (the plan's c)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,22 +55,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def measure(cfg: Config) -> tuple[Ledger, dict[str, Any]]:
     """The ledger of ``cfg``'s run, and its summary with the MTBI and the plan's
     prediction (what --json prints)."""
-    storage = open_storage(cfg.checkpoint.dir)
-    records, skipped = read_history(storage)
-    events, _ = read_events(cfg.log.dir)
-    if not records and not events:
-        raise LookupError(f"nothing is recorded yet: no history in {storage}/history and no "
-                          f"events in {cfg.log.dir}/metrics.jsonl (train first)")
-    ledger = account(records, events)
-    return ledger, summarize(ledger, cfg, skipped, has_metrics=bool(events))
+    ledger, skipped, has_metrics = run_ledger(cfg)
+    return ledger, summarize(ledger, cfg, skipped, has_metrics=has_metrics)
 
 
 def summarize(ledger: Ledger, cfg: Config, skipped: int = 0,
               has_metrics: bool = True) -> dict[str, Any]:
-    kinds = [i["kind"] for i in ledger.interruptions]
-    n = len(kinds)
-    mtbi = measure_mtbi(n, ledger.exposure_s)
-    downtimes = [(i["downtime_s"], i) for i in ledger.interruptions if i["downtime_s"] is not None]
+    found = measured(ledger)
     inputs = planned_inputs(cfg, has_metrics)
     tau = cfg.checkpoint.interval_steps * inputs.step_seconds
     predicted = {k: 100 * v for k, v in badput_components(tau, inputs).items()}
@@ -89,33 +76,15 @@ def summarize(ledger: Ledger, cfg: Config, skipped: int = 0,
         "planned_mtbi_hours": cfg.plan.mtbi_hours / cfg.plan.nodes,
         "planned_inputs": dataclasses.asdict(inputs),
         "interruptions": ledger.interruptions,
-        "mtbi": mtbi.to_dict(),
-        "crash_share": share(sum(k in CRASHES for k in kinds), n).to_dict(),
-        "node_loss_share": share(kinds.count("node_lost"), n).to_dict(),
-        "restart_s": _mean([d for d, i in downtimes]),
+        "mtbi": found.mtbi.to_dict(),
+        "crash_share": found.crash_share.to_dict(),
+        "node_loss_share": found.node_loss_share.to_dict(),
+        "restart_s": found.restart_s,
+        "in_place_restart_s": found.in_place_restart_s,
         "starts": len(ledger.starts),
         "coarse": ledger.coarse,
         "skipped_records": skipped,
     }
-
-
-def planned_inputs(cfg: Config, has_metrics: bool) -> Inputs:
-    """The plan's inputs: the config's answers, with T, δ and L as training measured
-    them when metrics.jsonl has them (the MTBI stays the configured one)."""
-    inputs = Inputs(**{field: getattr(cfg.plan, key) for field, (_, key) in FLAGS.items()})
-    if has_metrics:
-        try:
-            measured = read_metrics(cfg.log.dir)
-        except (MetricsError, OSError):
-            return inputs
-        inputs = dataclasses.replace(inputs, step_seconds=measured.step_seconds,
-                                     blocking_seconds=measured.blocking_seconds,
-                                     commit_latency_seconds=measured.commit_latency_seconds)
-    return inputs
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
 
 
 def format_ledger(result: dict[str, Any]) -> str:
