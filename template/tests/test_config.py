@@ -1,3 +1,6 @@
+import re
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -92,3 +95,123 @@ def test_bench_refuses_an_object_store_dir_instead_of_writing_a_local_folder(tmp
 def test_commands_answer_help(command):
     proc = run_module(command, "--help")
     assert "usage" in proc.stdout.lower()
+
+
+# ------------------------------------------- a config a merge or an edit broke --
+# `copier update` leaves both sides of a conflict in configs/train.yaml between git's
+# markers (and exits 0): every command that reads the config says where, in one line.
+
+# The markers are built, never spelled out: this file must not look like a conflict.
+START, MIDDLE, END = "<" * 7, "=" * 7, ">" * 7
+CONFLICT = (f"{START} before updating\n  max_steps: 30\n{MIDDLE}\n  max_steps: 40\n"
+            f"{END} after updating\n")
+
+
+def with_lines(tmp_path, insert: str, before: str = "  max_steps:"):
+    """ROOT's configs/train.yaml with ``insert`` put before the first line starting
+    ``before``, written to ``tmp_path``; returns the path and that line's number."""
+    text = (ROOT / "configs/train.yaml").read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if line.startswith(before))
+    path = tmp_path / "train.yaml"
+    path.write_text("".join(lines[:at]) + insert + "".join(lines[at:]), encoding="utf-8")
+    return path, at + 1
+
+
+@pytest.mark.parametrize("marker", [f"{START} before updating", MIDDLE,
+                                    f"{END} after updating", START],
+                         ids=["start", "middle", "end", "start-without-label"])
+def test_a_conflict_marker_is_named_with_its_line(config_module, tmp_path, marker):
+    path, line = with_lines(tmp_path, marker + "\n")
+    with pytest.raises(config_module.ConfigError) as info:
+        config_module.load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path} line {line}: a merge-conflict marker")
+    assert f"keep one side of each {START} ... {END} block" in message and "\n" not in message
+
+
+def test_a_whole_conflict_names_its_first_line_and_every_marker(config_module, tmp_path):
+    path, line = with_lines(tmp_path, CONFLICT)
+    with pytest.raises(config_module.ConfigError) as info:
+        config_module.load_config(path)
+    assert str(info.value).startswith(
+        f"{path} line {line}: a merge-conflict marker left by `copier update` "
+        f"(3 marker lines: {line}, {line + 2}, {line + 4})")
+
+
+@pytest.mark.parametrize("insert, where, problem", [
+    # an unclosed list: the parser finds out on the next line, and says where it began
+    ("  lr: [0.1, 0.2\n", "line {next}, column ", ("did not find expected ',' or ']' while "
+                                                  "parsing a flow sequence that starts at "
+                                                  "line {line}, column 7")),
+    ("\tlr: 0.1\n", "line {line}, column 1", "found character that cannot start any token"),
+    ("  lr: a: b\n", "line {line}, column 8", "mapping values are not allowed"),
+], ids=["unclosed-list", "tab", "colon-in-a-value"])
+def test_invalid_yaml_names_the_line_the_column_and_the_problem(config_module, tmp_path,
+                                                                 insert, where, problem):
+    path, line = with_lines(tmp_path, insert)
+    with pytest.raises(config_module.ConfigError) as info:
+        config_module.load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path} {where.format(line=line, next=line + 1)}"), message
+    assert f": not valid YAML ({problem.format(line=line)}" in message and "\n" not in message
+
+
+def test_a_config_that_is_not_a_mapping_is_refused_in_one_sentence(config_module, tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text("- train\n- checkpoint\n", encoding="utf-8")
+    with pytest.raises(config_module.ConfigError, match="top level must be a mapping"):
+        config_module.load_config(path)
+
+
+@pytest.mark.parametrize("command, broken", [
+    ("train", CONFLICT), ("resume", CONFLICT), ("plan", CONFLICT),
+    ("train", "  lr: [0.1\n"),
+], ids=["train-conflict", "resume-conflict", "plan-conflict", "train-invalid-yaml"])
+def test_commands_refuse_a_broken_config_with_exit_2_and_the_line(tmp_path, command, broken):
+    """The command's own default configs/train.yaml (relative to where it runs), as a
+    `copier update` or an edit leaves it: exit 2, one line, no traceback."""
+    (tmp_path / "configs").mkdir()
+    _, line = with_lines(tmp_path / "configs", broken)
+    proc = run_module(command, cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [text for text in proc.stderr.splitlines() if text.startswith("error:")]
+    where = f"error: configs/train.yaml line {line + (0 if START in broken else 1)}"
+    assert len(errors) == 1 and errors[0].startswith(where), proc.stderr
+    assert list(tmp_path.iterdir()) == [tmp_path / "configs"]  # nothing written
+
+
+# ------------------------------------------- a changed train.max_steps on resume --
+
+@pytest.mark.parametrize("saved, now", [(2000, 2001), (2_000_000, 2_000_001)])
+def test_the_schedule_warning_shows_the_digits_that_differ(config_module, saved, now):
+    """Both learning rates with as many digits as tell them apart (0.00167248 instead of
+    0.00167142, never 0.00167 instead of 0.00167), each the value rounded."""
+    restore = project_module("checkpoint.restore")
+    schedule = project_module("config.schedule")
+    train = ["train.lr=0.003", "train.warmup_steps=20", "train.min_lr_ratio=0.1"]
+    cfg = config_module.load_config(ROOT / "configs/train.yaml",
+                                    [*train, f"train.max_steps={now}"])
+    record = {"config": {"train": {"max_steps": saved, "warmup_steps": 20,
+                                   "min_lr_ratio": 0.1}}}
+    said = []
+    step = saved // 2
+    restore.warn_if_schedule_changed(SimpleNamespace(record=record), cfg, step, said.append)
+    found = re.search(r"the learning rate is (\S+) instead of (\S+)\.", said[0])
+    assert found, said
+    after = 0.003 * schedule.lr_factor(step, 20, now, 0.1)
+    before = 0.003 * schedule.lr_factor(step, 20, saved, 0.1)
+    assert found.group(1) != found.group(2)
+    assert float(found.group(1)) == pytest.approx(after, rel=1e-6)
+    assert float(found.group(2)) == pytest.approx(before, rel=1e-6)
+
+
+def test_the_schedule_warning_in_the_warm_up_says_the_rate_is_the_same(config_module):
+    restore = project_module("checkpoint.restore")
+    cfg = config_module.load_config(ROOT / "configs/train.yaml",
+                                    ["train.warmup_steps=20", "train.max_steps=2001"])
+    said = []
+    restore.warn_if_schedule_changed(SimpleNamespace(record={"config": {"train": {
+        "max_steps": 2000}}}), cfg, 5, said.append)
+    assert "the learning rate is still " in said[0] and "instead of" not in said[0]

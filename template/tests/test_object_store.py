@@ -22,6 +22,7 @@ from s3_server import SeaweedS3, weed_binary
 
 from conftest import (
     descendants,
+    finish,
     read_events,
     read_metrics,
     run_module,
@@ -170,7 +171,7 @@ def test_an_s3_outage_during_training_and_a_kill_mid_upload_lose_nothing(
     logged once after the resume point."""
     logs = tmp_path / "logs"
     args = [*S3_RUN, "checkpoint.interval_steps=2", "checkpoint.keep_last=2",
-            "checkpoint.max_failed_saves=1000", "model.d_model=96", "model.n_layers=2",
+            "model.d_model=96", "model.n_layers=2",
             "log.every_steps=1", f"checkpoint.dir={s3_bucket}", f"log.dir={logs}"]
     log = tmp_path / "run.log"
     proc = start("train", *args, "train.max_steps=100", log_file=log, nproc=2)
@@ -222,6 +223,93 @@ def test_an_s3_outage_during_training_and_a_kill_mid_upload_lose_nothing(
     after = [e["step"] for e in read_events(logs, "step")
              if e["time"] > read_events(logs, "start")[-1]["time"]]
     assert after == list(range(step + 1, step + 7))
+
+
+def _saving_every_two_steps(s3_bucket: str, logs: Path, *extra: str) -> list[str]:
+    """``resume`` arguments: two ranks saving to the bucket every 2 steps (the defaults of
+    checkpoint.max_failed_saves and on_error), one progress line a step."""
+    return ["--nproc-per-node", "2", *S3_RUN, "checkpoint.interval_steps=2",
+            "checkpoint.keep_last=2", "log.every_steps=1", f"checkpoint.dir={s3_bucket}",
+            f"log.dir={logs}", *extra]
+
+
+def _newest_step(logs: Path) -> int:
+    return max((e["step"] for e in read_events(logs, "step")), default=0)
+
+
+@pytest.mark.slow
+def test_an_s3_outage_of_many_save_intervals_within_the_time_budget_costs_no_stop(
+        s3_server, s3_bucket, tmp_path):
+    """The server stopped until more than checkpoint.max_failed_saves saves in a row have
+    failed (each waits out the S3 client's own retries: 15 to 30 s), for less than
+    checkpoint.max_failed_saves_s: training goes on, commits again once the server is
+    back, and finishes with 0. The count alone stopped it with 73 during the outage."""
+    logs, log = tmp_path / "logs", tmp_path / "run.log"
+    budget_s, steps = 240, 120
+    proc = start("resume", *_saving_every_two_steps(
+        s3_bucket, logs, f"train.max_steps={steps}", f"checkpoint.max_failed_saves_s={budget_s}"),
+        log_file=log)
+    try:
+        wait_until(lambda: len(read_events(logs, "save")) >= 2, proc, "two saves", timeout=300,
+                   log_file=log)
+        at_stop = _newest_step(logs)
+        s3_server.stop()
+        began = time.time()
+        # The count is spent (the rule before the time budget stopped here) and training
+        # goes on, held by the time budget alone.
+        wait_until(lambda: "training goes on until" in log.read_text(errors="replace"),
+                   proc, "failed saves past checkpoint.max_failed_saves",
+                   timeout=budget_s - 40, log_file=log)
+        outage_s = time.time() - began
+    finally:
+        if s3_server.proc is None:
+            s3_server.start()
+    back = time.time()
+    code = finish(proc, timeout=600)
+    output = log.read_text(errors="replace")
+    assert code == 0, output[-4000:]
+    assert outage_s < budget_s and _newest_step(logs) == steps
+    saves = read_events(logs, "save")
+    assert [e["step"] for e in saves if e["time"] > back][-1] == steps   # committed again
+    assert "NOT saved" not in output and "Traceback" not in output, output[-4000:]
+    print(f"outage {outage_s:.1f} s, steps {at_stop}..{_newest_step(logs)}, "
+          f"{sum(e['time'] > back for e in saves)} commits after it")
+
+
+@pytest.mark.slow
+def test_an_s3_server_that_stays_away_stops_training_after_the_time_budget(
+        s3_server, s3_bucket, tmp_path, monkeypatch):
+    """The server stopped for good: saves fail in a row, training goes on until
+    checkpoint.max_failed_saves_s has passed without a commit, then stops with 73 within
+    a bounded time, naming the newest committed step. Without boto's own retries each
+    save fails at once, so the count is spent within seconds and the time decides."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    logs, log = tmp_path / "logs", tmp_path / "run.log"
+    budget_s = 20
+    proc = start("resume", *_saving_every_two_steps(
+        s3_bucket, logs, "train.max_steps=100000", f"checkpoint.max_failed_saves_s={budget_s}"),
+        log_file=log)
+    try:
+        wait_until(lambda: len(read_events(logs, "save")) >= 2, proc, "two saves", timeout=300,
+                   log_file=log)
+        at_stop = _newest_step(logs)
+        s3_server.stop()
+        code = finish(proc, timeout=300)
+    finally:
+        if s3_server.proc is None:
+            s3_server.start()
+    output = log.read_text(errors="replace")
+    assert code == 73, output[-4000:]
+    last_commit = read_events(logs, "save")[-1]
+    end = read_events(logs, "end")[-1]
+    assert end["status"] == 73 and "none committed for" in end["reason"], end
+    assert f"the newest committed checkpoint is step {last_commit['step']}" in end["reason"]
+    without_commit = end["time"] - last_commit["time"]
+    assert budget_s <= without_commit < budget_s + 30, without_commit   # the bound
+    assert "training goes on until 20 s without a commit" in output     # the count was spent
+    assert _newest_step(logs) > at_stop + 6                              # it trained on
+    print(f"stopped {without_commit:.1f} s after the newest commit, at step "
+          f"{_newest_step(logs)} (server stopped at step {at_stop})")
 
 
 def test_object_store_resave_of_a_step_drops_its_old_commit_first(ckpt, memory_store):

@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from ..runtime.distributed import decide_on_rank0
+from ..runtime.output_dirs import make_output_dir
 
 SPAWN_WAIT_S = 30.0   # how long the log redirection waits for the process to be spawned
 
@@ -67,7 +68,7 @@ def stderr_to(path: str | None):
     if path is None:
         yield
         return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    make_output_dir(os.path.dirname(path) or ".")   # log.dir
     sys.stderr.flush()
     saved = os.dup(2)
     target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -97,3 +98,24 @@ def stop_background_processes() -> None:
         child.join(timeout=5)
         if child.is_alive():
             child.kill()
+
+
+def quiet_checkpoint_process_exit() -> None:
+    """No traceback at exit for a checkpoint process that is already gone.
+
+    torchrun's SIGTERM reaches the worker's whole process group, DCP's checkpoint process
+    included; at interpreter exit DCP's finalizer then writes to the dead process and
+    Python prints the ignored BrokenPipeError with a traceback, after a clean stop. This
+    drops exactly that one (an OSError or EOFError from that finalizer); every other
+    unraisable exception is printed as before.
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        where = getattr(unraisable.object, "__qualname__", "")
+        if (where == "_AsyncCheckpointProcess.__del__"
+                and isinstance(unraisable.exc_value, (OSError, EOFError))):
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook

@@ -13,8 +13,9 @@ The loop touches it at a few moments, as torchtitan's trainer touches its own:
 Every decision that has to do with checkpoints is made here or below: the save interval
 and the final save (``policy``), preemption as one more reason to save now (the stop
 vote comes from ``preemption.stop``; the save at the stop is decided here), failing saves
-(synchronous fallback, exit 73), which checkpoint to resume from (``restore``), and who
-may write ``checkpoint.dir`` (``lease``). Every decision is the same on every rank.
+(synchronous fallback; exit 73 once their budget in count and time is spent:
+``failed_saves``), which checkpoint to resume from (``restore``), and who may write
+``checkpoint.dir`` (``lease``). Every decision is the same on every rank.
 """
 
 from __future__ import annotations
@@ -124,11 +125,13 @@ class Checkpointer:
             resumed = choose_and_load(self.manager, training, self.cfg, self.runtime,
                                       self.metrics)
         ckpt = self.cfg.checkpoint
+        stop_at_once = ckpt.on_error == OnSaveError.stop   # the first failed save stops
         self._policy = SavePolicy(
             self.manager, interval_steps=ckpt.interval_steps, final_step=self.cfg.train.max_steps,
             state=training.state, record=training.commit_record, metrics=self.metrics,
             wait_timeout_s=ckpt.wait_timeout_s,
-            max_failed_in_a_row=1 if ckpt.on_error == OnSaveError.stop else ckpt.max_failed_saves,
+            max_failed_in_a_row=1 if stop_at_once else ckpt.max_failed_saves,
+            max_failed_s=0.0 if stop_at_once else ckpt.max_failed_saves_s,
             allowance=self._allowance)
         self._policy.resumed_from = resumed
         self._start_step = training.progress.step

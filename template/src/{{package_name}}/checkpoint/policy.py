@@ -13,8 +13,9 @@ Every wait is bounded and shared: the ranks wait for a save in flight together, 
 it up together when it fails on any rank or outlasts ``checkpoint.wait_timeout_s``.
 After a background save has failed on any rank (e.g. DCP's checkpoint process died: it
 is never restarted), every later save is written synchronously: slower, but checkpoints
-keep coming. Saves failing ``checkpoint.max_failed_saves`` times in a row (once, with
-``checkpoint.on_error: stop``) stop training with exit status 73: its state is not saved.
+keep coming. Saves failing ``checkpoint.max_failed_saves`` times in a row, with none
+committed for ``checkpoint.max_failed_saves_s`` (once, with ``checkpoint.on_error: stop``:
+``failed_saves.py``), stop training with exit status 73: its state is not saved.
 
 (A few lines over 400: the waits for the checkpoint process's start, the save in flight
 and the stop share the bounds and the agreement across ranks kept here.)
@@ -36,6 +37,7 @@ from ..preemption.stop import Vote
 from ..runtime.distributed import any_rank, decide_on_rank0
 from ..runtime.metrics import Event, MetricsLog
 from ..runtime.phases import Phase
+from .failed_saves import FailedSaves
 from .layout import Committed
 from .manager import CheckpointManager, SaveResult
 
@@ -84,16 +86,15 @@ class SavePolicy:
                  state: Callable[[], dict[str, Stateful]], record: Callable[[], dict[str, Any]],
                  metrics: MetricsLog, wait_timeout_s: float, max_failed_in_a_row: int,
                  allowance: Callable[[bool], contextlib.AbstractContextManager] = (
-                     lambda _at_stop: contextlib.nullcontext())
+                     lambda _at_stop: contextlib.nullcontext()),
+                 max_failed_s: float = 0.0, clock: Callable[[], float] = time.monotonic
                  ) -> None:
         self.manager = manager
         self.interval_steps = interval_steps
         self.final_step = final_step
         self.wait_timeout_s = wait_timeout_s
-        self.max_failed_in_a_row = max_failed_in_a_row
         self.allowance = allowance
-        self.failed_in_a_row = 0
-        self._failures_seen = 0
+        self.failures = FailedSaves(max_failed_in_a_row, max_failed_s, clock)
         self._state = state
         self._record = record
         self.metrics = metrics
@@ -135,7 +136,9 @@ class SavePolicy:
         if not self._starting:
             return
         self._starting = False
+        waiting = time.perf_counter()
         failure = self.manager.wait_ready()
+        waited = time.perf_counter() - waiting   # the loop was blocked this long
         (failed_somewhere,) = any_rank(failure is not None)
         if failed_somewhere:
             self._go_synchronous(step, "the background checkpoint process did not start on "
@@ -144,6 +147,7 @@ class SavePolicy:
         took = time.perf_counter() - self._warm_up_began
         self.metrics.event(Event.phase, step=step, phase=Phase.checkpoint_process_ready.value,
                            at=round(time.time(), 3), duration_s=round(took, 3),
+                           waited_s=round(waited, 3),
                            off_the_path=True)   # the first steps trained meanwhile
         self.metrics.say(f"background checkpointing ready {took:.2f} s after it was started "
                          "(the first steps trained meanwhile)")
@@ -177,21 +181,18 @@ class SavePolicy:
                                 why="interrupted" if stopped.by_user else "preempted")
         if not due:
             return StepDecision()
-        if vote.failed_saves > self._failures_seen:  # a save failed since the last due step
-            self._failures_seen = vote.failed_saves
-            self.failed_in_a_row += 1
-            if self.failed_in_a_row >= self.max_failed_in_a_row:
+        if self.failures.count(vote.failed_saves):  # a save failed since the last due step
+            if self.failures.spent():
                 last = self.manager.last_error or "see the log of the rank where it failed"
-                return StepDecision(stop=True, why="not_saved", detail=(
-                    f"{self.failed_in_a_row} save(s) in a row failed, the last: {last}"))
+                return StepDecision(stop=True, why="not_saved", detail=self.failures.why(last))
+            if (waiting := self.failures.waiting()) is not None:
+                self.metrics.say(waiting)
             # A broken checkpoint process is left for synchronous saves; a save that only
             # met unreachable storage is not (the process is fine: the next one may work).
             (broken,) = any_rank(self.manager.broken_save)
             self.manager.broken_save = False
             if broken and not self.synchronous:
                 self._go_synchronous(step, "a background save failed")
-        else:
-            self.failed_in_a_row = 0
         self._waited_s[step] = waited
         reason = "final" if last_step or step == self.final_step else "interval"
         try:
@@ -202,6 +203,10 @@ class SavePolicy:
             self.manager.record_failure(step, exc, "failed")
             return StepDecision(why=reason)
         return StepDecision(saved=True, why=reason)
+
+    @property
+    def failed_in_a_row(self) -> int:
+        return self.failures.in_a_row
 
     def _go_synchronous(self, step: int, why: str) -> None:
         self.synchronous = True
@@ -397,6 +402,7 @@ class SavePolicy:
     def _report(self, result: SaveResult | None) -> None:
         if result is None:
             return
+        self.failures.committed()
         waited = self._waited_s.pop(result.step, 0.0)
         self.metrics.event(Event.save, step=result.step, reason=result.reason, mode=result.mode,
                            blocking_s=result.blocking_s, waited_s=waited,

@@ -151,7 +151,21 @@ def warn_if_schedule_changed(checkpoint: Committed, cfg: Config, step: int,
                                   saved["max_steps"],
                                   saved.get("min_lr_ratio", train.min_lr_ratio))
     after = train.lr * lr_factor(step, train.warmup_steps, train.max_steps, train.min_lr_ratio)
+    now, then = distinct_figures(after, before)
+    change = (f"the learning rate is {now} instead of {then}" if after != before else
+              f"the learning rate is still {now}, and the steps after it follow the new "
+              "schedule")
     say(f"warning: train.max_steps is {train.max_steps}, the checkpoint's run had "
         f"{saved['max_steps']}: the learning-rate schedule is redrawn, at step {step + 1} "
-        f"the learning rate is {after:.3g} instead of {before:.3g}. To continue the saved "
-        f"run exactly, keep train.max_steps={saved['max_steps']}")
+        f"{change}. To continue the saved run exactly, keep "
+        f"train.max_steps={saved['max_steps']}")
+
+
+def distinct_figures(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` with 6 significant digits, or as many more as it takes for the two
+    to read differently (17 tell any two floats apart)."""
+    for digits in range(6, 18):
+        shown = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if shown[0] != shown[1] or a == b:
+            return shown
+    return shown

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint import (
 )
 
 from ..config import OBJECT_STORE_SCHEMES
+from ..runtime.output_dirs import make_output_dir
 from .reader import OneReadFileSystemReader, one_read_fsspec_reader
 
 if TYPE_CHECKING:
@@ -82,7 +83,9 @@ class LocalStorage:
         return str(self.root / name)
 
     def makedirs(self, name: str = "") -> None:
-        (self.root / name).mkdir(parents=True, exist_ok=True)
+        make_output_dir(self.root)   # a root made here ignores itself in git
+        if name:
+            (self.root / name).mkdir(parents=True, exist_ok=True)
 
     def list_names(self) -> list[str]:
         """Entries directly under the root (empty when the root does not exist yet)."""
@@ -152,7 +155,7 @@ class LocalStorage:
             if self.root.exists() and not self.root.is_dir():
                 raise StorageError(f"{where} is not a directory (a file of that name exists)")
             step = f"cannot create {self.root}"
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_output_dir(self.root)
             step = f"cannot write a file in {self.root}"
             with open(probe, "wb") as handle:
                 handle.write(b"probe\n")

@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ..interval.formulas import CRASH_SHARE, NODE_LOSS_SHARE, SHARE_SLACK
 from ..runtime import exit_codes
+from .yaml_file import UnreadableConfig, read_yaml
 
 DEFAULT_CONFIG = Path("configs/train.yaml")
 # checkpoint.dir may be a path, a file:// URL or an object-store URL with one of these
@@ -129,6 +130,11 @@ class CheckpointConfig:
     verify: VerifyMode = VerifyMode.all   # checksums checked as a checkpoint is loaded
     on_error: OnSaveError = OnSaveError.keep
     max_failed_saves: int = 3       # failed saves in a row before training stops (on_error: keep)
+    # ... and at least this long without a commit: what such a stop throws away, so keep it
+    # well above the plan's interval (interval_steps x step time, the work any interruption
+    # risks); a storage broken for good stops training this long (+ one interval) after the
+    # newest commit. 0: the count alone
+    max_failed_saves_s: float = 300.0
     wait_timeout_s: float = 600.0   # longest wait for a save in flight before giving it up
     start_timeout_s: float = 120.0  # longest wait for the background checkpoint process to start
     strict_resume: bool = False     # a checkpoint that fails to load stops the run (no fallback)
@@ -169,9 +175,10 @@ class CheckpointConfig:
             value = getattr(self, key)
             require(math.isfinite(value) and value > 0, f"checkpoint.{key}",
                      "must be a finite number of seconds > 0", value)
-        require(math.isfinite(self.storage_retry_s) and self.storage_retry_s >= 0,
-                "checkpoint.storage_retry_s", "must be a finite number of seconds >= 0",
-                self.storage_retry_s)
+        for key in ("storage_retry_s", "max_failed_saves_s"):
+            require(math.isfinite(getattr(self, key)) and getattr(self, key) >= 0,
+                    f"checkpoint.{key}", "must be a finite number of seconds >= 0",
+                    getattr(self, key))
 
 
 @dataclass
@@ -375,9 +382,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not value and key.split(".")[0] not in TASK_SECTIONS:
             raise ConfigError(f"{key}: no value given (write {key}=VALUE)")
     try:
+        values = read_yaml(path)  # conflict markers and YAML errors: file, line, what to do
+    except UnreadableConfig as exc:
+        raise ConfigError(str(exc)) from None
+    try:
         merged = OmegaConf.merge(
             OmegaConf.structured(Config),
-            OmegaConf.load(path),
+            values,
             OmegaConf.from_dotlist(list(overrides)),
         )
         _move_old_keys(merged)

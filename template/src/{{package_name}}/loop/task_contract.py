@@ -7,9 +7,13 @@ What each function must do is written in docs/EXTENDING.md.
 
 from __future__ import annotations
 
+import ast
+import importlib
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -17,14 +21,50 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
+from .. import PACKAGE
 from ..config import Config, ConfigError, TaskContext
 from ..config.schedule import lr_factor
+from ..config.yaml_file import shown
 
 REQUIRED = ("build_model", "build_data", "loss_and_metrics")
 OPTIONAL = ("collate", "build_optimizer", "shard_units")
 # Optional, no default: no evaluation without build_eval_data.
 EVALUATION = ("build_eval_data", "eval_metrics", "eval_summary")
 Optimizers = tuple[torch.optim.Optimizer, "torch.optim.lr_scheduler.LRScheduler | None"]
+# The harness modules that moved when the package was reorganised into folders
+# (CHANGELOG.md): old module -> where its code is now, relative to the package. A task
+# that imports an old one is told the new import (exit 2) instead of a bare
+# ModuleNotFoundError. The commands' entries (train, resume, ...) and config/ and the
+# folders preemption/, launch/ stayed importable: for them only the names count.
+MOVED_MODULES = {
+    "trainer": ("loop.trainer",),
+    "sampling": ("loop.sampling",),
+    "task_contract": ("loop.task_contract",),
+    "distributed": ("runtime.distributed", "loop.parallelize"),
+    "exit_codes": ("runtime.exit_codes",),
+    "metrics": ("runtime.metrics",),
+    "stop": ("preemption.stop", "checkpoint.policy"),
+    "preemption": ("preemption.watch",),
+    "watchdog": ("recovery.watchdog",),
+    "progress_guard": ("recovery.progress_guard",),
+    "stragglers": ("recovery.stragglers",),
+    "exits": ("recovery.attempts", "runtime.exit_codes"),
+    "launch": ("launch.command",),
+    "plan_model": ("interval.formulas",),
+    "plan_report": ("interval.report",),
+    "plan_plot": ("interval.plot",),
+    "bench_loop": ("tools.bench_loop",),
+    "bench_report": ("tools.bench_report",),
+    "drill_report": ("tools.drill_report",),
+    "tokenizer": ("tools.tokenizer",),
+    "config": ("config.schema", "config.schedule"),
+    "checkpoint.planner": ("checkpoint.dcp_planner",),
+    "train": ("loop.job",),
+    "resume": ("launch.supervisor",),
+    "plan": ("interval.command",),
+    **{name: (f"tools.{name}",) for name in ("bench", "drill", "export", "verify",
+                                             "memcheck", "prepare_data")},
+}
 
 
 @dataclass(frozen=True)
@@ -43,7 +83,13 @@ class Task:
 def load_task(module: ModuleType | None = None) -> Task:
     """The task's functions, with defaults for the optional ones missing from ``module``."""
     if module is None:
-        from .. import task as module
+        try:
+            from .. import task as module
+        except ImportError as exc:  # ModuleNotFoundError too
+            moved = moved_import(exc)
+            if moved is None:
+                raise
+            raise ConfigError(moved) from None
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
     if missing:
         raise ConfigError(f"{module.__name__} must define {', '.join(missing)} "
@@ -91,6 +137,97 @@ def check_config(task: Task, cfg: Config) -> None:
         raise
     except Exception:  # noqa: BLE001, S110 - e.g. a model that cannot be built on meta
         pass
+
+
+# ------------------------------------------------------------ moved modules --
+
+def moved_import(exc: ImportError) -> str | None:
+    """The sentence for an import of a module in MOVED_MODULES (None for any other):
+    which file and line, the old module, where its code is now, the import to write."""
+    old, names = _old_module(exc)
+    if old not in MOVED_MODULES:
+        return None
+    where, statement = _import_site(exc)
+    gone = isinstance(exc, ModuleNotFoundError) or exc.name == PACKAGE  # the module itself
+    if statement is not None and statement.module is not None and (
+            statement.module == old or statement.module.endswith("." + old)):
+        names = [alias.name for alias in statement.names if alias.name != "*"
+                 and (gone or not _defines(old, alias.name))] or names
+    homes = {name: _home(MOVED_MODULES[old], name) for name in names}
+    verified = bool(names) and None not in homes.values()
+    if not verified and not gone:
+        return None                 # a name that was never there: Python's own error
+    targets = ([new for new in MOVED_MODULES[old] if new in homes.values()] if verified
+               else list(MOVED_MODULES[old]))
+    what = f"{PACKAGE}.{old}" if gone else f"{', '.join(names)} from {PACKAGE}.{old}"
+    imports = []
+    if statement is not None:
+        prefix = "." * statement.level if statement.level else f"{PACKAGE}."
+        if verified:
+            imports = [f"from {prefix}{new} import "
+                       f"{', '.join(n for n in names if homes[n] == new)}" for new in targets]
+        elif statement.module is None and len(targets) == 1:   # `from . import trainer`
+            parent, _, leaf = targets[0].rpartition(".")
+            rename = f" as {old}" if leaf != old else ""
+            imports = [f"from {prefix}{parent} import {leaf}{rename}"]
+    fix = "change the import" + (" to " + " and ".join(f"`{i}`" for i in imports)
+                                 if imports else "")
+    return (f"{where} imports {what}, which moved to "
+            f"{' and '.join(f'{PACKAGE}.{new}' for new in targets)} in the reorganisation "
+            f"of the package into folders (CHANGELOG.md): {fix}")
+
+
+def _old_module(exc: ImportError) -> tuple[str | None, list[str]]:
+    """The module of the package that the failed import named, relative to the package,
+    and the names imported from it when the error says them."""
+    name = exc.name or ""
+    if not (name == PACKAGE or name.startswith(PACKAGE + ".")):
+        return None, []
+    relative = name[len(PACKAGE) + 1:]
+    if isinstance(exc, ModuleNotFoundError):
+        return relative, []
+    found = re.match(r"cannot import name '([^']+)'", str(exc))
+    if found is None:
+        return None, []
+    if not relative:                        # `from . import trainer`
+        return found.group(1), []
+    return relative, [found.group(1)]
+
+
+def _import_site(exc: ImportError) -> tuple[str, ast.ImportFrom | None]:
+    """``src/<package>/task.py line 3`` (the innermost frame that is not importlib's) and
+    its ``from ... import`` statement, when the file can be parsed."""
+    frame, tb = None, exc.__traceback__
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith("<"):
+            frame = tb
+        tb = tb.tb_next
+    if frame is None:
+        return f"src/{PACKAGE}/task.py", None
+    path, line = Path(frame.tb_frame.f_code.co_filename), frame.tb_lineno
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return f"{shown(path)} line {line}", None
+    statement = next((node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                      and node.lineno <= line <= (node.end_lineno or node.lineno)), None)
+    return f"{shown(path)} line {line}", statement
+
+
+def _home(modules: tuple[str, ...], name: str) -> str | None:
+    """The one of ``modules`` that defines ``name``; else the first that has it (imported)."""
+    having = [module for module in modules if _defines(module, name)]
+    defining = [module for module in having if getattr(getattr(
+        importlib.import_module(f"{PACKAGE}.{module}"), name), "__module__", None)
+        == f"{PACKAGE}.{module}"]
+    return (defining or having or [None])[0]
+
+
+def _defines(module: str, name: str) -> bool:
+    try:
+        return hasattr(importlib.import_module(f"{PACKAGE}.{module}"), name)
+    except ImportError:
+        return False
 
 
 # ------------------------------------------------------------------ defaults --

@@ -27,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..runtime.exit_codes import error_line
+from ..runtime.output_dirs import make_output_dir
 
 EXITS_DIR = "exits"
 ONE_START_S = 600.0  # the ranks of one start begin within this of each other
@@ -92,7 +93,8 @@ class Attempt:
         record = {**self._record, "state": state, "step": self.step, **fields,
                   "time": time.time()}
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            make_output_dir(self.dir.parent)   # log.dir: ignored by git when made here
+            self.dir.mkdir(exist_ok=True)
             tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(record), encoding="utf-8")
             os.replace(tmp, self.path)

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from .output_dirs import make_output_dir
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -101,7 +103,7 @@ def append_event(log_dir: str | os.PathLike, kind: Event, **fields: Any) -> None
 
     For what a rank other than 0 must record itself, e.g. its watchdog firing.
     """
-    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    make_output_dir(log_dir)   # ignored by git when made here (output_dirs.py)
     record = {"event": Event(kind).value, **fields, "time": time.time()}
     line = (json.dumps(record) + "\n").encode()
     fd = os.open(Path(log_dir) / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -120,7 +122,7 @@ class MetricsLog:
         self._file = None
         self.sinks: list[Any] = []   # experiment trackers: each gets every event (tracking/)
         if log_dir is not None:
-            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            make_output_dir(log_dir)   # ignored by git when made here (output_dirs.py)
             self.path = Path(log_dir) / METRICS_FILE
             self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - open for the whole run
 

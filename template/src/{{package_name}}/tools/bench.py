@@ -81,6 +81,7 @@ from ..runtime.distributed import (
     setup,
     teardown,
 )
+from ..runtime.output_dirs import make_output_dir
 from . import bench_restart
 from .bench_loop import Bench, bench_config, build_trainer, measure_stall, measure_throughput
 from .bench_report import fmt, ratios, report_text, throughput_text
@@ -247,11 +248,17 @@ def main(argv: list[str] | None = None) -> int:
     except BackendUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exit_codes.BAD_INPUT
-    root = Path(decide_on_rank0(lambda: args.dir or tempfile.mkdtemp(prefix="bench-")))
+    try:   # a --dir made here ignores itself in git
+        root = Path(decide_on_rank0(lambda: str(make_output_dir(args.dir)) if args.dir
+                                    else tempfile.mkdtemp(prefix="bench-")))
+    except OSError as exc:
+        print(f"error: --dir {args.dir}: {(exc.strerror or str(exc)).lower()}", file=sys.stderr)
+        teardown()
+        return exit_codes.BAD_INPUT
     bench = None
     try:
-        task = load_task()
         try:
+            task = load_task()   # a task that breaks its contract: one line, exit 2
             began = time.perf_counter()
             bench = build_trainer(bench_config(cfg, root / "async"), task, runtime)
         except (ConfigError, CheckpointRefused) as exc:

@@ -38,6 +38,7 @@ from ..config import Config
 from ..recovery.attempts import read_records
 from ..runtime import exit_codes
 from ..runtime.metrics import Event, read_events
+from ..runtime.output_dirs import make_output_dir
 from ..runtime.phases import ORDER, Phase
 
 START_TIMEOUT_S = 300.0   # a start that has not trained a step by then failed
@@ -208,7 +209,8 @@ def main(cfg: Config, overrides: list[str], *, repeats: int, nproc: int, as_json
         print("error: bench --restart launches its own jobs: run it with python -m "
               f"{PACKAGE}.bench --restart, not under torchrun", file=sys.stderr)
         return exit_codes.BAD_INPUT
-    scratch = Path(directory or tempfile.mkdtemp(prefix="bench-restart-"))
+    scratch = (make_output_dir(directory) if directory   # a new one ignores itself in git
+               else Path(tempfile.mkdtemp(prefix="bench-restart-")))
     say = (lambda *a, **k: None) if as_json else print
     say(f"restart benchmark: {repeats} repeat(s) on {nproc} rank(s), scratch {scratch}")
     try:

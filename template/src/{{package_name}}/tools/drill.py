@@ -64,6 +64,7 @@ from ..loop.sampling import BatchSizeError, split_global_batch
 from ..loop.task_contract import check_config, load_task
 from ..runtime import exit_codes
 from ..runtime.metrics import Event, EventTail
+from ..runtime.output_dirs import IGNORE_FILE, make_output_dir
 from . import drill_memory, drill_nodes, drill_report
 from .drill_report import DrillError
 from .process_tree import kill_tree, process_tree
@@ -412,10 +413,11 @@ def prepare_out(out: Path) -> None:
     """Make DIR ready: create it, or clear what an earlier drill wrote there."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).exists():
+    if (out.is_dir() and any(p.name != IGNORE_FILE for p in out.iterdir())
+            and not (out / MARKER).exists()):
         raise ValueError(f"--out {out} is not empty and was not made by a drill; choose a new "
                          "or empty directory (the drill will not delete files it did not write)")
-    out.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out)   # a new one ignores itself in git
     for name in OUTPUTS:
         path = out / name
         if path.is_dir():

@@ -26,9 +26,11 @@ from pathlib import Path
 import numpy as np
 
 from .. import PACKAGE
+from ..config import ConfigError, load_config
 from ..datasets.tokens import FORMAT, INDEX_FILE, VERSION
 from ..launch.command import positive_int
 from ..runtime import exit_codes
+from ..runtime.output_dirs import ignore_in_git, make_output_dir
 from .export import parse_size
 
 TOLERANCE = 0.10
@@ -102,7 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     if not Path("/proc/self/status").exists():
         print("error: memcheck reads /proc (Linux only)", file=sys.stderr)
         return exit_codes.BAD_INPUT
-    root = Path(tempfile.mkdtemp(prefix="memcheck-", dir=args.dir))
+    try:  # configs/train.yaml and the overrides, before any token data is written
+        load_config(None, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    root = Path(tempfile.mkdtemp(prefix="memcheck-",
+                                 dir=make_output_dir(args.dir) if args.dir else None))
+    ignore_in_git(root)   # removed at the end; meanwhile (or after a kill) never in git
     results = []
     try:
         for size in sizes:
