@@ -5,7 +5,8 @@ part, and the parts add up to the wall time:
 
     productive   steps that moved training past the furthest step any start had reached
     rework       steps computed again after a restart (their work had been lost)
-    saving       time the loop was blocked by saves (``blocking_s`` + ``waited_s``)
+    saving       time the loop was blocked by saves (``blocking_s`` + ``waited_s``, and the
+                 first save's wait for the checkpoint process of its start)
     eval         evaluations (``eval_time_s``)
     restart      from an end to the next start's first step, by phase: detection (the
                  failure until the last rank had stopped), queue (until the next process
@@ -199,10 +200,15 @@ def _account_events(start: Start, parts: dict[str, float], phases: dict[str, flo
     first_step_at = max(last, begin) if marks else steps[0]["time"]
     if not marks:   # no phase events: the time to the first step is the restart's
         phases["first_step"] += max(steps[0]["time"] - begin, 0.0)
-    blocking = {}
+    blocking = {}   # step -> seconds the loop was blocked at it by the save path
     for save in (e for e in events if e["event"] == Event.save):
         blocking[save.get("step")] = blocking.get(save.get("step"), 0.0) + float(
             save.get("blocking_s") or 0.0) + float(save.get("waited_s") or 0.0)
+    for ready in (e for e in events if e["event"] == Event.phase
+                  and e.get("phase") == "checkpoint_process_ready"):
+        # the first save of a start waited for the checkpoint process to be up
+        blocking[ready.get("step")] = blocking.get(ready.get("step"), 0.0) + float(
+            ready.get("waited_s") or 0.0)
     evals = [e for e in events if e["event"] == Event.eval]
     previous_time, previous_step = first_step_at, steps[0]["step"]
     reached = furthest
