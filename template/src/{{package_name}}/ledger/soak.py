@@ -146,7 +146,7 @@ def calibrate(soak: Soak) -> None:
     # A faulty run lasts about its training time / (1 - R/M): every M seconds a restart
     # of about R (a start of this calibration, a little more for the faults' cleanup).
     startup = max(spent - CALIBRATION_STEPS * soak.step_s, 1.0)
-    stretch = 1.0 / (1.0 - min(1.5 * startup / soak.args.mtbi_seconds, 0.7))
+    stretch = 1.0 / (1.0 - min(startup / soak.args.mtbi_seconds, 0.6))
     budget = max(soak.args.minutes * 60 - spent, 30.0)
     training_s = max(budget / (1 + stretch * len(soak.args.multipliers)) - startup, 10.0)
     soak.max_steps = max(int(training_s / soak.step_s), 4 * soak.interval_steps, 20)

@@ -1,0 +1,55 @@
+"""The soak in short (two to three minutes): faults at a scaled-down MTBI, the state exact
+against an uninterrupted run, the measured badput within the printed tolerance of the
+plan's prediction. A user soaks their own config longer (README: before a long run)."""
+
+import itertools
+import json
+import math
+
+import pytest
+
+from conftest import project_module, run_module
+
+soak = project_module("ledger.soak")
+
+
+@pytest.mark.slow
+def test_a_short_soak_is_exact_and_within_its_tolerance(tmp_path):
+    proc = run_module("soak", "--minutes", "2", "--mtbi-seconds", "20", "--seed", "3",
+                      "--out", str(tmp_path / "soak"), "--json", timeout=900, check=False)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report["exact"] is True and report["interruptions"] >= 1, report
+    [run] = report["runs"]
+    assert run["within"] and run["tolerance_percent"] == report["tolerance_percent"]
+    assert abs(run["measured_badput_percent"] - run["predicted_badput_percent"]) <= \
+        run["tolerance_percent"]
+    assert sum(run["faults"]["hit"].values()) >= 1
+    assert (tmp_path / "soak" / "report.json").is_file()
+
+
+def test_the_fault_stream_is_seeded_and_poisson():
+    first = soak.fault_times(7, 10.0, 10_000.0)
+    assert first == soak.fault_times(7, 10.0, 10_000.0) != soak.fault_times(8, 10.0, 10_000.0)
+    gaps = [b.at_s - a.at_s for a, b in itertools.pairwise(first)]
+    mean = sum(gaps) / len(gaps)
+    assert abs(mean - 10.0) < 4 * 10.0 / math.sqrt(len(gaps))    # exponential gaps, mean M
+    assert {f.kind for f in first} == {"worker", "term", "kill"}
+
+
+def test_states_that_differ_are_told_apart():
+    import torch
+
+    reference = {"model.w": torch.ones(3), "optim.m": torch.zeros(2)}
+    assert soak.same_state(reference, {k: v.clone() for k, v in reference.items()})[0]
+    other = {"model.w": torch.ones(3), "optim.m": torch.tensor([0.0, 1e-12])}
+    exact, how = soak.same_state(reference, other)
+    assert not exact and "optim.m" in how
+    assert not soak.same_state({}, {})[0]
+
+
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
+    for args in (["--minutes", "0"], ["--intervals", "1,x"], ["--mtbi-seconds", "nan"]):
+        proc = run_module("soak", *args, "--out", str(tmp_path / "s"), check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "s").exists()
