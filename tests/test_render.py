@@ -107,7 +107,8 @@ def test_default_project_fast_tier_passes(default_project, request):
 # side by side (the machine has two cores; most of these tests keep one busy): the kill
 # loop, the real servers and the node-loss drills, and the rest.
 FIRST_HALF = {"test_kill_loop.py", "test_object_store.py", "test_tracking.py",
-              "test_compile.py", "test_node_loss.py", "test_memory_tier.py"}
+              "test_compile.py", "test_node_loss.py", "test_memory_tier.py",
+              "test_stop_phases.py"}
 
 
 @pytest.mark.slow

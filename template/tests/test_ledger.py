@@ -246,3 +246,21 @@ def test_plan_from_history_and_the_unasked_notice(tmp_path):
     refused = run_module("plan", "--from-history", f"checkpoint.dir={few}", check=False)
     assert refused.returncode == 2 and "too few to plan with" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.parametrize("lang, title", [("en", "Where the time went"), ("zh", "时间花在哪里")])
+def test_the_checklists_measured_section_shows_the_ledger(tmp_path, lang, title):
+    from test_plan import write_metrics
+
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    write_history(ckpt, 4, 2.0, kind="rank_lost")
+    metrics = write_metrics(tmp_path / "metrics.jsonl")
+    checklist = tmp_path / "CHECKLIST.md"
+    checklist.write_text(f"# C\n\n<!-- measured:begin lang={lang} -->\nold\n"
+                         "<!-- measured:end -->\n", encoding="utf-8")
+    run_module("plan", "--metrics", str(metrics), "--write", str(checklist),
+               f"checkpoint.dir={ckpt}", f"log.dir={logs}")
+    text = checklist.read_text(encoding="utf-8")
+    assert title in text and "rank_lost" in text and "old" not in text
+    assert text.count("rank_lost") == 4
+    assert ("from 4 interruption(s)" if lang == "en" else "4 次中断") in text

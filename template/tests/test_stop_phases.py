@@ -24,7 +24,7 @@ from conftest import PACKAGE, ROOT, _env, project_module, read_events, run_modul
 pytestmark = pytest.mark.slow
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "log.every_steps=1", "eval.at_end=false"]
-PAUSE_S = 6.0
+PAUSE_S = 4.0
 
 HOOK = '''
 import importlib.abc, importlib.util, os, sys, time

@@ -22,7 +22,9 @@ from ..checkpoint.storage import open_storage
 from ..config import DEFAULT_CONFIG, Config, ConfigError, load_config
 from ..ledger.advice import inputs_from, mtbi_notice, run_ledger
 from ..ledger.advice import measured as ledger_measured
+from ..ledger.command import summarize
 from ..ledger.mtbi import describe as describe_mtbi
+from ..ledger.report import render_ledger_section
 from ..runtime import exit_codes
 from .formulas import (
     Inputs,
@@ -225,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             document = target.read_text(encoding="utf-8")
             lang = checklist_language(document)
             section = render_measured_section(plan, measured, planned, configured, lang)
+            section += _ledger_markdown(config, lang)
             write_atomically(target, replace_measured_section(document, section))
         except (OSError, ValueError) as exc:
             parser.error(f"argument --write: {target}: {exc}")
@@ -253,6 +256,19 @@ def _from_history(args, config: Config | None, inputs: Inputs, in_place: float |
         in_place = found.in_place_restart_s
     print(f"plan: from the history, {describe_mtbi(found.mtbi)}", file=sys.stderr)
     return dataclasses.replace(from_history, **kept), in_place
+
+
+def _ledger_markdown(config: Config | None, lang: str) -> str:
+    """The goodput ledger for the checklist's measured section, or nothing when there is
+    no config or nothing is recorded yet."""
+    if config is None:
+        return ""
+    try:
+        ledger, skipped, has_metrics = run_ledger(config)
+    except (LookupError, ValueError, OSError):
+        return ""
+    summary = summarize(ledger, config, skipped, has_metrics=has_metrics)
+    return "\n" + render_ledger_section(summary, PACKAGE, lang)
 
 
 def _say_measured_mtbi(config: Config, inputs: Inputs) -> None:
