@@ -68,6 +68,29 @@ def test_the_readmes_commands_need_no_release_tag_and_its_tags_are_released():
     assert tags <= released, tags - released
 
 
+def test_each_release_names_the_commit_it_was_cut_at():
+    """A CHANGELOG heading `## vX.Y.Z — commit <sha>` per release, the commit in this
+    repository (where the clone has the history) and its CHANGELOG's newest release that
+    one, so `--vcs-ref <sha>` copies what the entry describes."""
+    changelog = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
+    headings = re.findall(r"^## (v\d+\.\d+\.\d+)\b(.*)$", changelog, re.MULTILINE)
+    assert headings, "no release in CHANGELOG.md"
+    for version, rest in headings:
+        named = re.match(r" — commit ([0-9a-f]{7,40})\b", rest)
+        assert named, f"## {version}{rest}: name the commit it was cut at"
+        sha = named.group(1)
+        found = subprocess.run(["git", "show", f"{sha}:CHANGELOG.md"], cwd=REPO,
+                               capture_output=True, text=True, check=False)
+        if found.returncode != 0:
+            shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"],
+                                     cwd=REPO, capture_output=True, text=True).stdout
+            assert shallow.strip() == "true", f"{version}: no commit {sha} in this repository"
+            continue
+        newest = re.search(r"^## (\S+)", found.stdout, re.MULTILINE)
+        assert newest and newest.group(1) == version, \
+            f"{version}: at {sha} the CHANGELOG's newest entry is {newest and newest.group(1)}"
+
+
 def test_copier_copies_a_template_clone_that_has_no_tag(tmp_path):
     """The README's `copier copy <template> my-run`, on a clone with no release tag yet."""
     from test_update import git, snapshot_template

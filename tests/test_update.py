@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
+import pytest
 import yaml
 from copier import run_copy, run_update
 
@@ -136,6 +139,40 @@ def test_update_merges_template_changes_and_keeps_user_edits(tmp_path):
             assert "<<<<<<<" not in text and ">>>>>>>" not in text, path
 
 
+def test_update_on_a_clone_without_tags_takes_the_newest_commit_or_the_one_named(tmp_path):
+    """The README's `copier update --defaults` on a template clone with no release tag
+    takes its newest commit; `--vcs-ref <commit>` (a release's commit, as CHANGELOG.md
+    names it) takes that commit and not a newer one."""
+    template = snapshot_template(tmp_path / "template")
+    git(template, "tag", "-d", "v1.0.0")
+    readme = template / "template/README.md.jinja"
+    commits = [git(template, "rev-parse", "--short", "HEAD").strip()]
+    for version in ("1.1", "1.2"):
+        readme.write_text(readme.read_text() + f"\n## Added in {version}\n")
+        git(template, "commit", "-qam", version)
+        commits.append(git(template, "rev-parse", "--short", "HEAD").strip())
+    assert git(template, "tag") == ""
+    project = tmp_path / "project"
+    run_copy(str(template), str(project), defaults=True, vcs_ref=commits[0], quiet=True,
+             unsafe=False)
+    git(project, "init", "-q")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "generated")
+    answers = project / ".copier-answers.yml"
+    assert yaml.safe_load(answers.read_text())["_commit"] == commits[0]
+
+    run_update(str(project), defaults=True, overwrite=True, quiet=True, unsafe=False,
+               vcs_ref=commits[1])
+    assert yaml.safe_load(answers.read_text())["_commit"] == commits[1]
+    text = (project / "README.md").read_text()
+    assert "## Added in 1.1" in text and "## Added in 1.2" not in text
+    git(project, "commit", "-qam", "update to 1.1")
+
+    run_update(str(project), defaults=True, overwrite=True, quiet=True, unsafe=False)
+    assert yaml.safe_load(answers.read_text())["_commit"] == commits[2]
+    assert "## Added in 1.2" in (project / "README.md").read_text()
+
+
 def test_update_from_the_committed_template_keeps_every_answer(tmp_path):
     """Renaming or dropping a question would lose the user's answer on `copier update`."""
     template = committed_then_working_template(tmp_path / "template")
@@ -225,8 +262,10 @@ def test_update_keeps_the_users_task_while_the_harness_changes(tmp_path):
 
 
 # The last commit before the package was reorganised into folders (CHANGELOG, Unreleased):
-# projects rendered from it must update to today's layout.
+# projects rendered from it must update to today's layout. It is also the commit the
+# oldest supported release, v0.1.0, was cut at (CHANGELOG.md names each release's commit).
 BEFORE_FOLDERS = "6d2ca9d"
+V0_1_0 = BEFORE_FOLDERS
 
 
 def test_update_across_the_reorganisation_keeps_the_task_and_the_loader_setting(tmp_path):
@@ -277,3 +316,68 @@ def test_update_across_the_reorganisation_keeps_the_task_and_the_loader_setting(
     assert "finished at step 2" in proc.stdout and "| accuracy " in proc.stdout
     if "num_workers" in settings["data"]:          # the old key still works, with a notice
         assert "notice: data.num_workers is now loader.num_workers" in proc.stderr
+
+
+def has_commit(ref: str) -> bool:
+    return subprocess.run(["git", "cat-file", "-e", f"{ref}^{{commit}}"], cwd=REPO,
+                          capture_output=True, check=False).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_commit(V0_1_0), reason=f"a shallow clone: no commit {V0_1_0}")
+def test_a_v0_1_0_project_updates_passes_its_own_suite_and_resumes_its_checkpoint(tmp_path):
+    """A project copied from v0.1.0 as a user does it on a clone without tags (--vcs-ref
+    at the release's commit), trained a few steps into its default checkpoint folder and
+    committed, updates to this working tree with its task.py untouched (the old
+    ``build_model(cfg)``, no evaluation); then the updated project's fast suite passes
+    (a skip only with its reason) and its training resumes the old checkpoint."""
+    project = tmp_path / "project"
+    run_copy(str(REPO), str(project), defaults=True, vcs_ref=V0_1_0, quiet=True, unsafe=False)
+    package = package_of(project)
+    task = project / "src" / package / "task.py"
+    old_task = task.read_text()
+    assert "def build_model(cfg: Config) -> nn.Module:" in old_task  # v0.1.0's task
+    assert "build_eval_data" not in old_task
+    git(project, "init", "-q")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "generated from v0.1.0")
+    small = ["model.d_model=32", "model.n_layers=1", "checkpoint.interval_steps=2",
+             "checkpoint.async_mode=sync"]
+    proc = run_in(project, "-m", f"{package}.train", "train.max_steps=4", *small)
+    assert "finished at step 4" in proc.stdout
+    assert (project / "checkpoints/step_000000004").is_dir()
+    assert git(project, "status", "--porcelain", "--untracked-files=all") == ""
+
+    # --vcs-ref HEAD: the working tree (copier includes its uncommitted changes).
+    run_update(str(project), defaults=True, overwrite=True, quiet=True, unsafe=False,
+               vcs_ref="HEAD")
+    answers = yaml.safe_load((project / ".copier-answers.yml").read_text())
+    assert answers["_commit"] != V0_1_0
+    assert task.read_text() == old_task            # the user's file, never overwritten
+    assert (project / f"src/{package}/loop/trainer.py").is_file()   # today's layout
+    for path in project.rglob("*"):
+        if path.is_file() and ".git" not in path.parts and "checkpoints" not in path.parts:
+            text = path.read_text(errors="replace")
+            assert "<<<<<<<" not in text and ">>>>>>>" not in text, path
+        assert not path.name.endswith(".rej"), path
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "copier update")
+
+    began = time.monotonic()
+    suite = run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+                   "-rs", "tests", timeout=1800, check=False)
+    print(f"the updated project's fast suite: {time.monotonic() - began:.0f} s")
+    summary = suite.stdout.strip().splitlines()[-1]
+    assert suite.returncode == 0 and " passed" in summary, suite.stdout[-6000:]
+    assert "failed" not in summary and "error" not in summary, summary
+    # The old task is checked through its contract: its missing evaluation is a skip
+    # with the reason, not a failure.
+    assert "your task defines no build_eval_data" in suite.stdout
+
+    proc = run_in(project, "-m", f"{package}.train", "train.max_steps=6", *small)
+    resumed = re.search(r"resumed from (\S+): step (\d+),", proc.stdout)
+    assert resumed, proc.stdout[-3000:]
+    assert Path(resumed.group(1)).name == "step_000000004" and resumed.group(2) == "4"
+    assert "finished at step 6" in proc.stdout
+    assert (project / "checkpoints/step_000000006").is_dir()
+    assert git(project, "status", "--porcelain", "--untracked-files=all") == ""

@@ -1,16 +1,30 @@
 """Shared helpers: find the package, run its commands in subprocesses (torchrun too).
 
 Tests import the package's modules one way: ``project_module("name")``.
+
+The harness's tests run on a task of their own, never on the project's task.py (the
+user's: any shape, any age, untouched by ``copier update``). ``ROOT`` is a copy of the
+project made once per test process (``suite_root``): its ``src/<package>/`` links every
+file and folder of the project's package except ``task.py``, which is tests/suite_task.py
+(the default task of this harness version); its configs/train.yaml is the project's with
+the ``model:`` and ``data:`` sections emptied (the suite task's defaults); docs/, launch/,
+tests/ and the project's top-level files are linked. Commands run in it, so run output
+with relative paths lands there, never in the project. ``PROJECT`` is the project
+itself: test_task.py checks the user's task there, through its contract only.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -20,14 +34,65 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = next(p.parent.name for p in sorted((ROOT / "src").glob("*/train.py")))
+PROJECT = Path(__file__).resolve().parents[1]
+PACKAGE = next(p.parent.name for p in sorted((PROJECT / "src").glob("*/train.py")))
+SUITE_TASK = Path(__file__).resolve().with_name("suite_task.py")
+LINKED = ("docs", "launch", "tests")        # folders of the project the suite root links
+TASK_SECTIONS = ("model", "data")           # the task's sections of configs/train.yaml
+
+
+def suite_config(text: str) -> str:
+    """configs/train.yaml with the task's sections emptied, everything else as it was."""
+    out, skipping = [], False
+    for line in text.splitlines(keepends=True):
+        top = re.match(r"([A-Za-z_][\w-]*)\s*:", line)
+        if top:
+            skipping = top.group(1) in TASK_SECTIONS
+            if skipping:
+                out.append(top.group(1) + ": {}          # the suite task's defaults "
+                           "(tests/conftest.py)\n")
+                continue
+        if not skipping or not line.strip():
+            out.append(line)
+    return "".join(out)
+
+
+def suite_root(project: Path = PROJECT) -> Path:
+    """A copy of ``project`` whose task is the suite's own (see the module docstring)."""
+    root = Path(tempfile.mkdtemp(prefix="suite-root-"))
+    atexit.register(shutil.rmtree, root, True)    # removes the links, never their targets
+    for entry in project.iterdir():
+        if entry.is_file() or entry.name in LINKED:
+            (root / entry.name).symlink_to(entry)
+    for entry in (project / "src").iterdir():
+        if entry.name != PACKAGE:
+            (root / "src" / entry.name).parent.mkdir(parents=True, exist_ok=True)
+            (root / "src" / entry.name).symlink_to(entry)
+    package = root / "src" / PACKAGE
+    package.mkdir(parents=True)
+    for entry in (project / "src" / PACKAGE).iterdir():
+        if entry.name not in ("task.py", "__pycache__"):
+            (package / entry.name).symlink_to(entry)
+    shutil.copyfile(SUITE_TASK, package / "task.py")
+    (root / "configs").mkdir()
+    for entry in (project / "configs").iterdir():
+        if entry.name != "train.yaml":
+            (root / "configs" / entry.name).symlink_to(entry)
+    config = project / "configs" / "train.yaml"
+    (root / "configs" / "train.yaml").write_text(suite_config(config.read_text(encoding="utf-8")),
+                                                 encoding="utf-8")
+    return root
+
+
+ROOT = suite_root()
 
 
 def _env() -> dict[str, str]:
+    """The environment of a command run in the suite root: its src/ first on the path."""
     env = dict(os.environ)
     src = str(ROOT / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    env["SUITE_ROOT"] = str(ROOT)              # for scripts of tests/ run on their own
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -97,7 +162,8 @@ def ckpt():
 # ------------------------------------------------------- long-running jobs --
 
 def project_module(name: str):
-    """Import ``<package>.<name>`` from this project's src/ (e.g. its launch builder)."""
+    """Import ``<package>.<name>`` from the suite root's src/ (e.g. its launch builder):
+    the project's harness modules, and the suite's own task as ``task``."""
     src = str(ROOT / "src")
     if src not in sys.path:
         sys.path.insert(0, src)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -23,7 +24,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-ROOT = Path(__file__).resolve().parents[1]
+# The suite root (conftest.py): the project with the suite's own task and config.
+ROOT = Path(os.environ.get("SUITE_ROOT") or Path(__file__).resolve().parents[1])
 PACKAGE = next(p.parent.name for p in sorted((ROOT / "src").glob("*/train.py")))
 SAVE_STEP = 1000   # the one save of the training loop (its interval: no other step is due)
 

@@ -193,8 +193,8 @@ def test_the_schedule_warning_shows_the_digits_that_differ(config_module, saved,
     train = ["train.lr=0.003", "train.warmup_steps=20", "train.min_lr_ratio=0.1"]
     cfg = config_module.load_config(ROOT / "configs/train.yaml",
                                     [*train, f"train.max_steps={now}"])
-    record = {"config": {"train": {"max_steps": saved, "warmup_steps": 20,
-                                   "min_lr_ratio": 0.1}}}
+    train_then = {"max_steps": saved, "warmup_steps": 20, "min_lr_ratio": 0.1}
+    record = {"config": dict(train=train_then)}
     said = []
     step = saved // 2
     restore.warn_if_schedule_changed(SimpleNamespace(record=record), cfg, step, said.append)
@@ -212,6 +212,7 @@ def test_the_schedule_warning_in_the_warm_up_says_the_rate_is_the_same(config_mo
     cfg = config_module.load_config(ROOT / "configs/train.yaml",
                                     ["train.warmup_steps=20", "train.max_steps=2001"])
     said = []
-    restore.warn_if_schedule_changed(SimpleNamespace(record={"config": {"train": {
-        "max_steps": 2000}}}), cfg, 5, said.append)
+    saved = dict(train={"max_steps": 2000})
+    restore.warn_if_schedule_changed(SimpleNamespace(record={"config": saved}), cfg, 5,
+                                     said.append)
     assert "the learning rate is still " in said[0] and "instead of" not in said[0]

@@ -105,7 +105,8 @@ def synthetic_run():
                {"format": 1, "id": "b", "started_at": 20.0, "resumed_step": 3,
                 "first_step_at": 25.0,
                 "previous": {"kind": "rank_lost", "step": 5, "durable_step": 3,
-                             "steps_lost": 2, "ended_at": 10.0}}]
+                             "steps_lost": 2, "ended_at": 10.0},
+                }]
     return records, events
 
 
@@ -152,12 +153,12 @@ from {package}.checkpoint.storage import LocalStorage
 from {package}.ledger.history import HistorySink
 from {package}.runtime.metrics import Event
 sink = HistorySink(LocalStorage({root!r}), 75, None)
-sink.log(Event.start, {{"step": 0, "restart": 0, "world_size": 1}})
+sink.log(Event.start, dict(step=0, restart=0, world_size=1))
 print("started", flush=True)
 step = 0
 while True:
     step += 1
-    sink.log(Event.save, {{"step": step}})   # a rewrite of the record each time
+    sink.log(Event.save, dict(step=step))   # a rewrite of the record each time
 """
 
 

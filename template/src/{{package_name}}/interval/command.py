@@ -265,7 +265,12 @@ def _ledger_markdown(config: Config | None, lang: str) -> str:
         return ""
     try:
         ledger, skipped, has_metrics = run_ledger(config)
-    except (LookupError, ValueError, OSError):
+    except LookupError:                      # nothing recorded yet
+        return ""
+    except Exception as exc:  # noqa: BLE001 - the checklist stands without the ledger
+        print(f"plan: the checklist leaves out the ledger: the history in "
+              f"checkpoint.dir={config.checkpoint.dir} could not be read "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
         return ""
     summary = summarize(ledger, config, skipped, has_metrics=has_metrics)
     return "\n" + render_ledger_section(summary, PACKAGE, lang)
