@@ -194,7 +194,8 @@ def test_the_schedule_warning_shows_the_digits_that_differ(config_module, saved,
     cfg = config_module.load_config(ROOT / "configs/train.yaml",
                                     [*train, f"train.max_steps={now}"])
     train_then = {"max_steps": saved, "warmup_steps": 20, "min_lr_ratio": 0.1}
-    record = {"config": dict(train=train_then)}
+    config_then = {"train": train_then}
+    record = {"config": config_then}
     said = []
     step = saved // 2
     restore.warn_if_schedule_changed(SimpleNamespace(record=record), cfg, step, said.append)
@@ -212,7 +213,8 @@ def test_the_schedule_warning_in_the_warm_up_says_the_rate_is_the_same(config_mo
     cfg = config_module.load_config(ROOT / "configs/train.yaml",
                                     ["train.warmup_steps=20", "train.max_steps=2001"])
     said = []
-    saved = dict(train={"max_steps": 2000})
+    train_saved = {"max_steps": 2000}
+    saved = {"train": train_saved}
     restore.warn_if_schedule_changed(SimpleNamespace(record={"config": saved}), cfg, 5,
                                      said.append)
     assert "the learning rate is still " in said[0] and "instead of" not in said[0]
