@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +24,26 @@ def render(dst: Path, **answers) -> Path:
     run_copy(str(REPO), str(dst), data=answers, defaults=True, quiet=True, unsafe=False,
              vcs_ref="HEAD")
     return dst
+
+
+def git(cwd: Path, *args: str) -> str:
+    """``git args`` in ``cwd`` with a throwaway identity and branch name; its stdout."""
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid",
+                           "-c", "init.defaultBranch=main", *args], cwd=cwd, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def events(log_dir: Path, kind: str) -> list[dict]:
+    """The events of one kind in ``log_dir``/metrics.jsonl (none before it exists)."""
+    path = log_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
 
 
 def package_of(project: Path) -> str:

@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from conftest import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
 SBIN = ("/usr/sbin", "/usr/bin")
 INSTALL_TIMEOUT_S = 900
@@ -42,12 +44,6 @@ def reason_unavailable() -> str | None:
         if attempt[1] == "install" and proc.returncode == 0:
             return None
     return f"apt-get could not install slurm-wlm and munge: {proc.stderr.strip()[-300:]}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:

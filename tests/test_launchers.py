@@ -13,7 +13,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from conftest import render
+from conftest import free_port, render
 
 KUBERNETES_VERSION = "1.30.0"  # the oldest release the Job's fields need (podFailurePolicy GA)
 # Several nodes: an Indexed Job with backoffLimitPerIndex (GA in 1.33); the file says so.
@@ -342,12 +341,6 @@ def fake_slurm(bin_dir: Path) -> None:
     # A wrapper, not a symlink: a symlink to the venv's python would lose the venv.
     (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     (bin_dir / "python").chmod(0o755)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def slurm_env(project: Path, bin_dir: Path, log: Path, **extra: str) -> dict[str, str]:

@@ -8,14 +8,7 @@ from pathlib import Path
 
 from copier import run_copy
 
-from conftest import REPO, package_of, render, run_in
-
-
-def git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid",
-                           "-c", "init.defaultBranch=main", *args], cwd=cwd, check=True,
-                          capture_output=True, text=True).stdout
-
+from conftest import REPO, git, package_of, render, run_in
 
 # ---------------------------------------------------------- ignore files ----
 
@@ -94,7 +87,7 @@ def test_each_release_names_the_commit_it_was_cut_at():
 
 def test_copier_copies_a_template_clone_that_has_no_tag(tmp_path):
     """The README's `copier copy <template> my-run`, on a clone with no release tag yet."""
-    from test_update import git, snapshot_template
+    from test_update import snapshot_template
 
     template = snapshot_template(tmp_path / "template")
     git(template, "tag", "-d", "v1.0.0")
@@ -162,3 +155,73 @@ def test_plot_hints_name_the_projects_plot_extra(default_project):
     for path in default_project.rglob("*"):
         if path.is_file() and path.suffix in (".py", ".md", ".toml", ".yaml"):
             assert "pip install matplotlib" not in path.read_text(encoding="utf-8"), path
+
+
+# ------------------------------------------------- paths named in the text ----
+
+# A path in a doc or comment: folders and a file name with a source file's extension.
+NAMED_PATH = re.compile(
+    r"(?<![\w./:<>{}$-])((?:[\w<>-]+/)+[\w<>-]+\.(?:py|md|yaml|yml|sbatch|sh|toml))\b")
+TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".sh", ".sbatch", ".toml", ".txt", ""}
+
+
+def paths_named_but_missing(project: Path) -> list[str]:
+    """Every source path that a file of ``project`` names and that does not exist.
+
+    A path counts as the project's source when its first folder is one of the project's
+    (src, tests, docs, configs, launch) or of its package (named from inside it, as the
+    docs do: ``preemption/early.py``); run output (``logs/…``, ``DIR/…``) is not source.
+    A path said (within a line of text around it) to be in the template repository is
+    left out.
+    """
+    package = package_of(project)
+    source = project / "src" / package
+    tops = {"src", "tests", "docs", "configs", "launch"} | {
+        p.name for p in source.iterdir() if p.is_dir()}
+    missing = []
+    for path in sorted(project.rglob("*")):
+        if (not path.is_file() or ".git" in path.parts or "__pycache__" in path.parts
+                or path.suffix not in TEXT_SUFFIXES):
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for found in NAMED_PATH.finditer(text):
+            named = re.sub(r"<(?:pkg|package|package_name)>", package, found.group(1))
+            if "<" in named or named.split("/", 1)[0] not in tops:
+                continue
+            line = text[text.rfind("\n", 0, found.start()) + 1:text.find("\n", found.end())]
+            if "template repository" in text[found.start() - 80:found.end() + 80]:
+                continue
+            if not any((base / named).exists() for base in (project, source, path.parent)):
+                missing.append(f"{path.relative_to(project)} names {named}: {line.strip()}")
+    return missing
+
+
+def test_every_source_path_a_doc_or_comment_names_exists(default_project, tmp_path):
+    every_launcher = render(tmp_path / "p", launchers=["slurm", "kubernetes", "skypilot"],
+                            cloud="aws")
+    for project in (default_project, every_launcher):
+        assert paths_named_but_missing(project) == [], project.name
+
+
+def test_extending_names_every_folder_and_command_of_the_package(default_project):
+    """docs/EXTENDING.md's "Where the harness lives": a row for each folder of the package
+    (the user's models/ and datasets/ are named above the table), each command listed."""
+    package = package_of(default_project)
+    source = default_project / "src" / package
+    text = (default_project / "docs/EXTENDING.md").read_text(encoding="utf-8")
+    section = text.split("## Where the harness lives", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"^\| `(\w+)/` \|", section, re.MULTILINE))
+    folders = {p.name for p in source.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders - {"models", "datasets"} <= rows, folders - rows
+    assert rows <= folders, rows - folders
+    commands = {p.stem for p in source.glob("*.py")} - {"__init__", "task"}
+    listed = set(re.findall(r"`(\w+)`", section.split("Each folder", 1)[0]))
+    assert commands <= listed, commands - listed
+
+
+def test_architecture_names_every_module_of_a_default_render(default_project):
+    source = default_project / "src" / package_of(default_project)
+    text = (REPO / "docs/architecture.md").read_text(encoding="utf-8")
+    unnamed = [str(p.relative_to(source)) for p in sorted(source.glob("*/*.py"))
+               if p.name != "__init__.py" and not re.search(rf"\b{re.escape(p.name)}\b", text)]
+    assert unnamed == [], "docs/architecture.md does not name these modules"

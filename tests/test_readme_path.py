@@ -8,7 +8,6 @@ the README and the after-copy message show to train never start torchrun bare.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -16,22 +15,15 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from copier import run_copy, run_update
 from test_update import snapshot_template
 
-from conftest import REPO, package_of
+from conftest import REPO, events, git, package_of
 
 SHORT = ["model.d_model=32", "model.n_layers=1", "train.max_steps=400",
          "checkpoint.interval_steps=10", "log.every_steps=10"]
-
-
-def git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid",
-                           "-c", "init.defaultBranch=main", *args], cwd=cwd, check=True,
-                          capture_output=True, text=True).stdout
 
 
 def train_commands(readme: str) -> list[str]:
@@ -39,13 +31,6 @@ def train_commands(readme: str) -> list[str]:
     section = readme.split("## Train", 1)[1].split("\n## ", 1)[0]
     block = section.split("```bash", 1)[1].split("```", 1)[0]
     return [line for line in block.splitlines() if line and not line.startswith("#")]
-
-
-def events(project: Path, kind: str) -> list[dict]:
-    path = project / "logs/metrics.jsonl"
-    if not path.exists():
-        return []
-    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
 
 
 @pytest.mark.slow
@@ -81,12 +66,12 @@ def test_the_readme_path_ends_saved_and_resumable(tmp_path):
         proc = subprocess.Popen(argv, cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     deadline = time.monotonic() + 300
-    while not events(project, "save") and time.monotonic() < deadline:
+    while not events(project / "logs", "save") and time.monotonic() < deadline:
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         time.sleep(0.2)
     proc.send_signal(signal.SIGUSR1)
     assert proc.wait(timeout=180) == 75, (tmp_path / "first.log").read_text()[-3000:]
-    stop = events(project, "preemption")[-1]
+    stop = events(project / "logs", "preemption")[-1]
     assert stop["final_checkpoint_step"] == stop["stop_step"]
 
     # The same command again resumes there and finishes.
@@ -94,7 +79,7 @@ def test_the_readme_path_ends_saved_and_resumable(tmp_path):
                            timeout=900)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "resumed from" in again.stdout and "finished at step 400" in again.stdout
-    assert events(project, "start")[-1]["step"] == stop["stop_step"]
+    assert events(project / "logs", "start")[-1]["step"] == stop["stop_step"]
 
     # A project that has trained is still clean for git, so copier update goes through.
     assert git(project, "status", "--porcelain") == ""

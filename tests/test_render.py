@@ -140,7 +140,13 @@ def test_default_project_own_test_suite_passes(default_project, tmp_path):
     assert not failed, "\n".join(failed)
 
 
-@pytest.mark.parametrize("name", sorted(UNUSUAL))
+# make check renders and trains one set (the quickest); make test every set.
+QUICK_UNUSUAL = "gcp-thread-odd-name"
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=() if name == QUICK_UNUSUAL else pytest.mark.slow)
+    for name in sorted(UNUSUAL)])
 def test_unusual_answers_render_and_train(tmp_path, name):
     answers = UNUSUAL[name]
     project = render(tmp_path / "p", **answers)

@@ -10,7 +10,6 @@ installed (tests/slurm_cluster.py installs Debian's slurm-wlm and munge as root)
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 from slurm_cluster import Cluster, reason_unavailable
 
-from conftest import render
+from conftest import events, render
 
 pytestmark = pytest.mark.slow
 
@@ -56,14 +55,8 @@ def submit(slurm: Cluster, project: Path, run: Path, *args: str, sbatch=()) -> s
     return proc.stdout.strip().split(";")[0]
 
 
-def events(run: Path, kind: str) -> list[dict]:
-    path = run / "logs" / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [e for e in map(json.loads, lines) if e["event"] == kind]
-
-
 def steps_done(run: Path) -> int:
-    return max((e["step"] for e in events(run, "step")), default=0)
+    return max((e["step"] for e in events(run / "logs", "step")), default=0)
 
 
 def output(project: Path, job: str) -> str:
@@ -92,7 +85,7 @@ def test_the_time_limit_warning_saves_requeues_and_the_job_finishes_each_step_on
                    timeout=150)
     assert "preempted with the state saved: requeueing job" in output(project, job), \
         output(project, job)[-3000:]
-    [stop] = events(run, "preemption")
+    [stop] = events(run / "logs", "preemption")
     assert stop["source"] == "SIGUSR1"
     # The requeued job would wait ~2 minutes (BeginTime): let it start now, unhurried. Not
     # in the second it was requeued: slurmd compares a job's credential with the time its
@@ -104,9 +97,9 @@ def test_the_time_limit_warning_saves_requeues_and_the_job_finishes_each_step_on
     slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=10")
     done = slurm.wait_for(job, ended, "the end of the requeued job", timeout=300)
     assert done["JobState"] == "COMPLETED", output(project, job)[-3000:]
-    steps = [e["step"] for e in events(run, "step")]
+    steps = [e["step"] for e in events(run / "logs", "step")]
     assert sorted(steps) == list(range(1, 901)), "every step exactly once"
-    assert len(events(run, "start")) == 2
+    assert len(events(run / "logs", "start")) == 2
 
 
 def test_scancel_saves_and_the_job_stays_cancelled(slurm, project, tmp_path):
@@ -118,7 +111,7 @@ def test_scancel_saves_and_the_job_stays_cancelled(slurm, project, tmp_path):
     text = output(project, job)
     assert fields["JobState"] == "CANCELLED" and fields["Restarts"] == "0", text[-3000:]
     assert "was cancelled (scancel): not requeueing" in text, text[-3000:]
-    [stop] = events(run, "preemption")
+    [stop] = events(run / "logs", "preemption")
     assert (run / "ckpt" / f"step_{stop['stop_step']:09d}" / "commit.json").is_file()
     assert slurm.job(job)["JobState"] == "CANCELLED"   # and nothing brought it back
 
@@ -132,7 +125,7 @@ def test_a_sigterm_to_the_batch_shell_saves_and_requeues(slurm, project, tmp_pat
                    timeout=90)
     text = output(project, job)
     assert "preempted with the state saved: requeueing job" in text, text[-3000:]
-    [stop] = events(run, "preemption")
+    [stop] = events(run / "logs", "preemption")
     assert (run / "ckpt" / f"step_{stop['stop_step']:09d}" / "commit.json").is_file()
     slurm.run("scancel", job)
 

@@ -12,15 +12,7 @@ import pytest
 import yaml
 from copier import run_copy, run_update
 
-from conftest import REPO, package_of, run_in
-
-
-def git(cwd: Path, *args: str) -> str:
-    env_args = ["-c", "user.name=t", "-c", "user.email=t@example.invalid",
-                "-c", "init.defaultBranch=main"]
-    return subprocess.run(["git", *env_args, *args], cwd=cwd, check=True, capture_output=True,
-                          text=True).stdout
-
+from conftest import REPO, git, package_of, run_in
 
 WORKING_TREE_IGNORED = shutil.ignore_patterns(
     ".git", ".venv", ".scratch", "__pycache__", ".pytest_cache", ".ruff_cache")
@@ -139,6 +131,7 @@ def test_update_merges_template_changes_and_keeps_user_edits(tmp_path):
             assert "<<<<<<<" not in text and ">>>>>>>" not in text, path
 
 
+@pytest.mark.slow
 def test_update_on_a_clone_without_tags_takes_the_newest_commit_or_the_one_named(tmp_path):
     """The README's `copier update --defaults` on a template clone with no release tag
     takes its newest commit; `--vcs-ref <commit>` (a release's commit, as CHANGELOG.md

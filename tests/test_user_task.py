@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import package_of, render, run_in
+from conftest import events, package_of, render, run_in
 
 REGRESSION_TASK = '''\
 """A regression task: a plain MLP on noisy linear data, mean squared error, and MAE."""
@@ -114,11 +114,6 @@ def regression_project(tmp_path_factory) -> Path:
     config = project / "configs/train.yaml"
     config.write_text(replace_task_sections(config.read_text()))
     return project
-
-
-def events(log_dir: Path, kind: str) -> list[dict]:
-    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
-    return [e for e in map(json.loads, lines) if e["event"] == kind]
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The memory tier (checkpoint/memory.py, partners.py, memory_tier.py): copies in shared
 memory, partners on other nodes, and a restart from the nearest complete copy.
 
-The node-loss and whole-job cases run in ``drill --tier memory`` (tests/test_drill.py).
+The node-loss and whole-job cases run in ``drill --tier memory`` (at the end of this file).
 """
 
 from __future__ import annotations

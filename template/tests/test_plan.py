@@ -1,5 +1,5 @@
-"""The checkpoint interval plan: its numbers against an independent computation (plan_model),
-its text (plan_report) and its command line (plan)."""
+"""The checkpoint interval plan: its numbers against an independent computation (interval/formulas.py),
+its text (interval/report.py) and its command line (plan)."""
 
 from __future__ import annotations
 

@@ -211,7 +211,7 @@ def test_the_plan_tells_in_place_restarts_from_reschedules(tmp_path, capsys):
     model = project_module("interval.formulas")
     inputs = model.Inputs(8, 2, 10, 10, 120, 5, crash_share=0.25)
     plan = model.make_plan(inputs, in_place_restart_seconds=12)
-    # Written from the formula, not from plan_model: S = c(R - R_in)/M.
+    # Written from the formula, not from interval/formulas.py: S = c(R - R_in)/M.
     assert plan.in_place_saving == pytest.approx(0.25 * (120 - 12) / (8 * 3600))
     assert plan.expected_badput_with_in_place == pytest.approx(
         plan.expected_badput - plan.in_place_saving)

@@ -58,7 +58,7 @@ def build_trainer(cfg: Config, task: Task, runtime: Runtime) -> Bench:
     batches = trainer.micro_batches()
     checkpointer.save(0)                           # the start: the checkpoint process
     trainer.train_step(batches)
-    checkpointer.policy.wait_ready(0)              # up before the benchmark's own saves
+    checkpointer.wait_until_ready(0)               # up before the benchmark's own saves
     return Bench(trainer, checkpointer, batches)
 
 
@@ -68,15 +68,14 @@ def run_steps(bench: Bench, first: int, count: int) -> list[tuple[float, str]]:
     this step, whose forward and backward pass overlap the staging copy of a save just
     started. Returns (seconds, "save" | "in_flight" | "clean") per step."""
     trainer, checkpointer = bench.trainer, bench.checkpointer
-    policy, manager = checkpointer.policy, checkpointer.manager
     trainer.progress.step = first - 1
     steps = []
     for step in range(first, first + count):
         began = time.perf_counter()
-        was_in_flight = manager.in_flight
+        was_in_flight = checkpointer.save_in_flight
         checkpointer.save(step - 1)
         trainer.train_step(bench.batches)
-        kind = "save" if policy.due(step - 1) else "in_flight" if was_in_flight else "clean"
+        kind = "save" if checkpointer.save_due(step - 1) else "in_flight" if was_in_flight else "clean"
         steps.append((time.perf_counter() - began, kind))
     return steps
 
@@ -88,22 +87,22 @@ def measure_stall(bench: Bench, saves: int, commit_s: float) -> dict[str, Any]:
     measured commit time and step time), so a save-starting step holds the save's own
     cost, not a wait for the previous one, and some steps run with no save in flight.
     """
-    policy = bench.checkpointer.policy
-    policy.interval_steps = NEVER
+    checkpointer = bench.checkpointer
+    checkpointer.set_interval(NEVER)
     warm = run_steps(bench, 2, 3)
     step_s = decide_on_rank0(lambda: statistics.median([s for s, _ in warm[1:]]))
     # Twice the commit time measured alone: in the loop the writer shares the machine.
     interval = max(3, math.ceil(2 * commit_s / max(step_s, 1e-6)) + 2)
-    policy.interval_steps = interval
+    checkpointer.set_interval(interval)
     steps = run_steps(bench, interval + 1, interval * saves)
-    policy.interval_steps = NEVER
-    bench.checkpointer.manager.wait()
+    checkpointer.set_interval(NEVER)
+    checkpointer.wait_for_save()
     kinds = {kind: [s for s, k in steps if k == kind] for kind in ("save", "in_flight", "clean")}
     med = {kind: statistics.median(v) if v else None for kind, v in kinds.items()}
     stall = (med["save"] - med["clean"]) if med["save"] is not None and med["clean"] else None
     return {"stall": stall, "interval": interval, "step_s": med,
             "counts": {kind: len(v) for kind, v in kinds.items()},
-            "failed_saves": bench.checkpointer.manager.failed_saves}
+            "failed_saves": checkpointer.failed_saves}
 
 
 # ----------------------------------------------------------------- throughput --
@@ -111,18 +110,17 @@ def measure_throughput(bench: Bench, steps: int, interval: int, repeats: int,
                        tokens_per_sample: int | None) -> dict[str, Any]:
     """The same number of steps without and with checkpointing, alternately; the ratio
     of the median throughputs."""
-    policy, manager = bench.checkpointer.policy, bench.checkpointer.manager
-    split = bench.trainer.split
+    checkpointer, split = bench.checkpointer, bench.trainer.split
     rates: dict[str, list[float]] = {"without": [], "with": []}
-    policy.interval_steps = NEVER
+    checkpointer.set_interval(NEVER)
     run_steps(bench, 2, 3)  # warm-up
     base = interval * 10
-    saves_before = manager.failed_saves
+    saves_before = checkpointer.failed_saves
     for repeat in range(repeats):
         # without, with, with, without, ...: a machine getting busier or quieter over
         # the run moves both figures alike.
         for kind in ("without", "with") if repeat % 2 == 0 else ("with", "without"):
-            policy.interval_steps = interval if kind == "with" else NEVER
+            checkpointer.set_interval(interval if kind == "with" else NEVER)
             # The first save comes half an interval in, so the phase holds whole saves.
             first = base + interval - interval // 2 + 1
             dist.barrier()
@@ -130,7 +128,7 @@ def measure_throughput(bench: Bench, steps: int, interval: int, repeats: int,
             run_steps(bench, first, steps)
             dist.barrier()
             elapsed = time.perf_counter() - began
-            manager.wait()   # the last save, if any, outside the timed phase
+            checkpointer.wait_for_save()   # the last save, if any, outside the timed phase
             dist.barrier()
             rates[kind].append(steps * split.global_batch_size / elapsed)
             base += interval * (steps // interval + 2)
@@ -141,5 +139,5 @@ def measure_throughput(bench: Bench, steps: int, interval: int, repeats: int,
         "tokens_per_s": ({k: v * tokens_per_sample for k, v in samples.items()}
                          if tokens_per_sample else None),
         "throughput_ratio": samples["with"] / samples["without"],
-        "failed_saves": manager.failed_saves - saves_before,
+        "failed_saves": checkpointer.failed_saves - saves_before,
     }
