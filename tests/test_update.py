@@ -254,6 +254,66 @@ def test_update_keeps_the_users_task_while_the_harness_changes(tmp_path):
     assert "finished at step 2" in proc.stdout and "| accuracy " in proc.stdout
 
 
+def files_the_user_owns(project: Path) -> dict[str, str]:
+    """The rows "you" and "both" of docs/EXTENDING.md's "Who owns what": path -> owner."""
+    text = (project / "docs/EXTENDING.md").read_text(encoding="utf-8")
+    section = text.split("## Who owns what", 1)[1].split("\n## ", 1)[0]
+    owned = {}
+    for owner, files in re.findall(r"^\| (you|both) \| (.*?) \|", section, re.MULTILINE):
+        for name in re.findall(r"`([^`]+)`", files):
+            if (project / name).is_file():
+                owned[name] = owner
+    return owned
+
+
+def test_every_file_the_user_owns_keeps_its_edits_through_an_update(tmp_path):
+    """Each file EXTENDING.md calls the user's ("you") or shared ("both") is edited, and so
+    are files the user added; the next template version changes the same files; after the
+    update every edit is there, the template's change arrived in each shared file and
+    nowhere in a file of the user's."""
+    template = snapshot_template(tmp_path / "template")
+    project = generated_project(template, tmp_path / "project")
+    package = package_of(project)
+    owned = files_the_user_owns(project)
+    assert {f"src/{package}/task.py": "you", "configs/train.yaml": "both",
+            "pyproject.toml": "both"}.items() <= owned.items(), owned
+    added = {f"src/{package}/my_layers.py": "def my_layer():\n    return 1\n",
+             "configs/mine.yaml": "model:\n  d_model: 48\n"}
+    for name, text in added.items():
+        (project / name).write_text(text)
+    config = project / "configs/train.yaml"
+    config.write_text(config.read_text().replace("  d_model: 64", "  d_model: 48")
+                      .replace("  corpus_chars: 200000", "  corpus_chars: 50000"))
+    for name in owned:
+        path = project / name
+        path.write_text(path.read_text() + f"\n# the user's edit of {name}\n")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "my edits")
+
+    # The template changes every one of them (at the top: the user edited the bottom).
+    renamed = {f"src/{package}/task.py": "src/{{package_name}}/task.py",
+               "configs/train.yaml": "configs/train.yaml.jinja",
+               "pyproject.toml": "pyproject.toml.jinja"}
+    for name in owned:
+        path = template / "template" / renamed.get(name, name)
+        first, rest = path.read_text().split("\n", 1)
+        path.write_text(f"{first}\n# the template's change of {name}\n{rest}")
+    git(template, "commit", "-qam", "v1.1")
+    git(template, "tag", "v1.1.0")
+
+    run_update(str(project), defaults=True, overwrite=True, quiet=True, unsafe=False)
+
+    for name, owner in owned.items():
+        text = (project / name).read_text()
+        assert f"# the user's edit of {name}" in text, f"{name}: the user's edit is gone"
+        arrived = f"# the template's change of {name}" in text
+        assert arrived == (owner == "both"), f"{name} ({owner}): template's change {arrived}"
+        assert "<<<<<<<" not in text and ">>>>>>>" not in text, name
+    for name, text in added.items():
+        assert (project / name).read_text() == text, name
+    assert "  d_model: 48" in config.read_text() and "  corpus_chars: 50000" in config.read_text()
+
+
 # The last commit before the package was reorganised into folders (CHANGELOG, Unreleased):
 # projects rendered from it must update to today's layout. It is also the commit the
 # oldest supported release, v0.1.0, was cut at (CHANGELOG.md names each release's commit).

@@ -1,5 +1,10 @@
 """Your task: the model, the data, the loss and the metrics. This is the file to edit.
 
+``copier update`` never writes this file (nor any file you add); it merges its changes
+into configs/train.yaml and pyproject.toml, keeping your values; every other file is the
+template's, ``models/`` and ``datasets/`` included: to change one, copy it beside this
+file under a name of your own (docs/EXTENDING.md, "Who owns what").
+
 The harness (trainer, checkpointing, preemption, launch) calls the functions below and
 nothing else of yours; docs/EXTENDING.md gives the contract and what the harness
 guarantees in return. Required: ``build_model``, ``build_data``, ``loss_and_metrics``.
