@@ -20,7 +20,7 @@ def test_preemption_doc_states_the_generated_timeouts(tmp_path, answers):
     package = package_of(project)
     # The shutdown timeout torchrun really gets, from the generated launch builder.
     proc = run_in(project, "-c", f"from {package}.config import PreemptionConfig\n"
-                  f"from {package}.launch.command import shutdown_timeout_s\n"
+                  f"from {package}.launch.torchrun import shutdown_timeout_s\n"
                   f"print(shutdown_timeout_s(PreemptionConfig("
                   f"grace_period_s={answers['grace_period_seconds']})))")
     timeout = int(proc.stdout.strip())

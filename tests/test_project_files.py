@@ -222,6 +222,32 @@ def test_extending_names_every_folder_and_command_of_the_package(default_project
 def test_architecture_names_every_module_of_a_default_render(default_project):
     source = default_project / "src" / package_of(default_project)
     text = (REPO / "docs/architecture.md").read_text(encoding="utf-8")
-    unnamed = [str(p.relative_to(source)) for p in sorted(source.glob("*/*.py"))
-               if p.name != "__init__.py" and not re.search(rf"\b{re.escape(p.name)}\b", text)]
+    unnamed = [str(p.relative_to(source)) for p in sorted(source.rglob("*.py"))
+               if p.parent != source and p.name != "__init__.py"
+               and not re.search(rf"\b{re.escape(p.name)}\b", text)]
     assert unnamed == [], "docs/architecture.md does not name these modules"
+
+
+# checkpoint/'s wings, each importing only the ones after it (docs/architecture.md).
+WING_ORDER = ("memory", "save", "load", "store")
+
+
+def test_checkpoint_wings_import_only_downwards(default_project):
+    """No module of a wing imports the checkpoint facade, the save decisions, or a wing
+    before it: no circle and no arrow running back up in checkpoint/."""
+    checkpoint = default_project / "src" / package_of(default_project) / "checkpoint"
+    assert {p.name for p in checkpoint.iterdir() if p.is_dir() and p.name != "__pycache__"
+            } == set(WING_ORDER)
+    wrong = []
+    for rank, wing in enumerate(WING_ORDER):
+        allowed = set(WING_ORDER[rank:])
+        for path in sorted((checkpoint / wing).glob("*.py")):
+            for dots, module in re.findall(r"^\s*from (\.+)([\w.]*) import", path.read_text(),
+                                           re.MULTILINE):
+                if len(dots) == 1:
+                    continue                      # inside its own wing
+                if len(dots) == 2:                # checkpoint/<module or wing>
+                    top = module.split(".")[0]
+                    if top not in allowed:
+                        wrong.append(f"{wing}/{path.name} imports ..{module}")
+    assert wrong == []

@@ -38,7 +38,7 @@ def rendered_files(project: Path) -> list[Path]:
 def assert_complete(project: Path) -> None:
     package = package_of(project)
     for name in ("configs/train.yaml", "pyproject.toml", "README.md", ".copier-answers.yml",
-                 f"src/{package}/train.py", f"src/{package}/checkpoint/manager.py",
+                 f"src/{package}/train.py", f"src/{package}/checkpoint/save/manager.py",
                  "tests/conftest.py"):
         assert (project / name).is_file(), name
     for path in rendered_files(project):
@@ -87,7 +87,7 @@ def test_launch_files_follow_the_answers(tmp_path, default_project):
     sky = yaml.safe_load((project / "launch/skypilot.yaml").read_text())
     assert sky["resources"]["use_spot"] is True and "spot_trainer.resume" in sky["run"]
     # The copy-time figure is the one the generated launcher computes at run time.
-    probe = ("from spot_trainer.config import load_config; from spot_trainer.launch.command import "
+    probe = ("from spot_trainer.config import load_config; from spot_trainer.launch.torchrun import "
              "shutdown_timeout_s; print(shutdown_timeout_s(load_config().preemption))")
     assert run_in(project, "-c", probe).stdout.strip() == "75"
     dockerfile = (project / "Dockerfile").read_text()

@@ -118,7 +118,7 @@ def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
     """
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
     config = project_module("config").load_config(ROOT / "configs/train.yaml", overrides)
-    return project_module("launch.command").torchrun_command(
+    return project_module("launch.torchrun").torchrun_command(
         module, list(args), config.preemption, nproc_per_node=nproc,
         max_restarts=config.recovery.max_restarts)
 
@@ -155,8 +155,8 @@ def overrides_for(*base: str):
 
 @pytest.fixture
 def ckpt():
-    """The commit protocol's modules: (checkpoint.layout, checkpoint.storage)."""
-    return project_module("checkpoint.layout"), project_module("checkpoint.storage")
+    """The commit protocol's modules: (checkpoint.store.layout, checkpoint.store.storage)."""
+    return project_module("checkpoint.store.layout"), project_module("checkpoint.store.storage")
 
 
 # ------------------------------------------------------- long-running jobs --

@@ -48,7 +48,7 @@ def _module(name: str):
 
 def slow_storage(root: Path, delay_s: float):
     """The project's local storage, writing through SlowWriter."""
-    local = _module("checkpoint.storage").LocalStorage
+    local = _module("checkpoint.store.storage").LocalStorage
 
     class SlowStorage(local):
         def writer(self, name: str) -> SlowWriter:
@@ -67,7 +67,7 @@ def main() -> None:
                               f"log.dir={root / 'logs'}"])
     distributed = _module("runtime.distributed")
     runtime = distributed.setup(cfg.distributed.backend)
-    manager = _module("checkpoint.manager").CheckpointManager(
+    manager = _module("checkpoint.save.manager").CheckpointManager(
         slow_storage(root / "ckpt", delay_s), mode=config.AsyncMode(mode), keep_last=5,
         is_coordinator=True, device=runtime.device)
     manager.prepare()

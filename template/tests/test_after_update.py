@@ -119,7 +119,7 @@ def test_every_module_the_table_names_exists():
     except the commands' entries, config/ and the folders that took an old name."""
     table = project_module("loop.task_contract").MOVED_MODULES
     stayed = {"train", "resume", "plan", "bench", "drill", "export", "verify", "memcheck",
-              "prepare_data", "config", "preemption", "launch"}
+              "prepare_data", "config", "preemption", "launch", "checkpoint.memory"}
     for old, new in table.items():
         for module in new:
             assert is_module(module), (old, module)
@@ -162,7 +162,7 @@ def probe(tmp_path: Path, source: str) -> ImportError:
     ("from .exits import error_line", "{P}.exits, which moved to {P}.runtime.exit_codes",
      "`from .runtime.exit_codes import error_line`"),
     ("import {P}.checkpoint.planner",
-     "{P}.checkpoint.planner, which moved to {P}.checkpoint.dcp_planner", ""),
+     "{P}.checkpoint.planner, which moved to {P}.checkpoint.save.dcp_planner", ""),
 ], ids=["module", "function", "from-package", "split", "config-name", "defined-there",
         "absolute"])
 def test_an_import_of_a_moved_module_is_told_the_new_one(tmp_path, source, moved, fix):

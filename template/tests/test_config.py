@@ -188,7 +188,7 @@ def test_commands_refuse_a_broken_config_with_exit_2_and_the_line(tmp_path, comm
 def test_the_schedule_warning_shows_the_digits_that_differ(config_module, saved, now):
     """Both learning rates with as many digits as tell them apart (0.00167248 instead of
     0.00167142, never 0.00167 instead of 0.00167), each the value rounded."""
-    restore = project_module("checkpoint.restore")
+    restore = project_module("checkpoint.load.restore")
     schedule = project_module("config.schedule")
     train = ["train.lr=0.003", "train.warmup_steps=20", "train.min_lr_ratio=0.1"]
     cfg = config_module.load_config(ROOT / "configs/train.yaml",
@@ -209,7 +209,7 @@ def test_the_schedule_warning_shows_the_digits_that_differ(config_module, saved,
 
 
 def test_the_schedule_warning_in_the_warm_up_says_the_rate_is_the_same(config_module):
-    restore = project_module("checkpoint.restore")
+    restore = project_module("checkpoint.load.restore")
     cfg = config_module.load_config(ROOT / "configs/train.yaml",
                                     ["train.warmup_steps=20", "train.max_steps=2001"])
     said = []

@@ -20,9 +20,9 @@ from conftest import ROOT, project_module
 
 policy_mod = project_module("checkpoint.policy")
 checkpointer_mod = project_module("checkpoint.checkpointer")
-lease_mod = project_module("checkpoint.lease")
-SaveResult = project_module("checkpoint.manager").SaveResult
-Committed = project_module("checkpoint.layout").Committed
+lease_mod = project_module("checkpoint.store.lease")
+SaveResult = project_module("checkpoint.save.manager").SaveResult
+Committed = project_module("checkpoint.store.layout").Committed
 Progress = project_module("checkpoint.state").Progress
 metrics_mod = project_module("runtime.metrics")
 distributed = project_module("runtime.distributed")
@@ -45,6 +45,7 @@ class FakeManager:
 
     def __init__(self, *, write_s: float = 0.01) -> None:
         self.mode = self.Mode()
+        self.storage, self.verify = None, "all"   # what the load is handed (never used here)
         self.write_s = write_s
         self.saves: list[tuple[int, str, bool]] = []   # (step, reason, blocking)
         self.failures = 0
@@ -166,7 +167,7 @@ class Allowance:
 
 
 class FakeTraining:
-    """A TrainingState (checkpoint.restore) with nothing to train."""
+    """A TrainingState (checkpoint.load.restore) with nothing to train."""
 
     uses_default_schedule = True
 
@@ -523,7 +524,7 @@ def test_agreed_source_is_the_requests(coordinator):
 @pytest.fixture
 def lease_root(tmp_path, monkeypatch):
     monkeypatch.setattr(lease_mod, "POLL_S", 0.01)   # waits for a live lease end quickly
-    return project_module("checkpoint.storage").LocalStorage(tmp_path / "ckpt")
+    return project_module("checkpoint.store.storage").LocalStorage(tmp_path / "ckpt")
 
 
 def lease_of(storage, job: str, monkeypatch, *, stale_s: float = 60.0, wait_s: float = 0.05):

@@ -35,7 +35,7 @@ def one_rank_group():
 def test_async_saves_tell_the_writer_the_state_is_on_the_host(tmp_path):
     """With our own stager DCP skips the writer's stage(), which is what turns the GPU
     copy-ahead off; left on, the writer opens a CUDA context in the background."""
-    local = project_module("checkpoint.storage").LocalStorage
+    local = project_module("checkpoint.store.storage").LocalStorage
     writers = []
 
     class Recording(local):
@@ -43,7 +43,7 @@ def test_async_saves_tell_the_writer_the_state_is_on_the_host(tmp_path):
             writers.append(super().writer(name))
             return writers[-1]
 
-    manager = project_module("checkpoint.manager").CheckpointManager(
+    manager = project_module("checkpoint.save.manager").CheckpointManager(
         Recording(tmp_path / "ckpt"), mode="thread", keep_last=2, is_coordinator=True,
         device=torch.device("cpu"))
     manager.prepare()

@@ -66,7 +66,7 @@ def test_same_size_damage_is_skipped_for_the_previous_checkpoint(tmp_path, ckpt,
 
 def test_sample_reads_part_of_a_large_file_and_all_of_a_small_one(tmp_path, ckpt, monkeypatch):
     layout, storage_mod = ckpt
-    integrity = project_module("checkpoint.integrity")
+    integrity = project_module("checkpoint.store.integrity")
     monkeypatch.setattr(integrity, "BLOCK_BYTES", 1024)      # many blocks from a small save
     storage = storage_mod.LocalStorage(tmp_path)
     directory = save_and_commit(storage, layout, 1, numel=64 * 1024)   # a 256 KiB shard
@@ -195,7 +195,7 @@ def test_train_resumes_from_the_previous_checkpoint_when_a_shard_is_damaged(run_
             "checkpoint.async_mode=sync", f"checkpoint.dir={run_dirs['ckpt']}",
             f"log.dir={run_dirs['logs']}"]
     run_module("train", "train.max_steps=4", *args)
-    layout = project_module("checkpoint.layout")
+    layout = project_module("checkpoint.store.layout")
     shard = Path(run_dirs["ckpt"]) / layout.step_name(4) / "__0_0.distcp"
     damage_in_place(shard, offset=shard.stat().st_size // 2, length=4096)
     proc = run_module("train", "train.max_steps=6", *args)

@@ -38,8 +38,8 @@ def test_a_hundred_sigkills_lose_nothing_and_tear_nothing(tmp_path):
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     args = [*MODEL, f"checkpoint.dir={ckpt}", f"log.dir={logs}"]
     storage = project_module("checkpoint").open_storage(str(ckpt))
-    layout = project_module("checkpoint.layout")
-    memory = project_module("checkpoint.memory")
+    layout = project_module("checkpoint.store.layout")
+    memory = project_module("checkpoint.memory.copies")
     copies = memory.run_folder("/dev/shm", str(ckpt))
     torn_copies = 0
     rng = random.Random(20261130)

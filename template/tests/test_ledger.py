@@ -21,7 +21,7 @@ from conftest import ROOT, _env, project_module, run_module
 mtbi = project_module("ledger.mtbi")
 accounts = project_module("ledger.accounts")
 history = project_module("ledger.history")
-storage_mod = project_module("checkpoint.storage")
+storage_mod = project_module("checkpoint.store.storage")
 Event = project_module("runtime.metrics").Event
 
 
@@ -149,7 +149,7 @@ def test_the_ledger_from_the_history_alone_is_coarser_but_adds_up():
 WRITER = """
 import sys, time
 sys.path.insert(0, {src!r})
-from {package}.checkpoint.storage import LocalStorage
+from {package}.checkpoint.store.storage import LocalStorage
 from {package}.ledger.history import HistorySink
 from {package}.runtime.metrics import Event
 sink = HistorySink(LocalStorage({root!r}), 75, None)
@@ -178,7 +178,7 @@ def test_the_history_survives_kill_9_and_skips_a_torn_record(tmp_path):
     assert len(records) == 5 and skipped == 1
     assert all(r["format"] == history.FORMAT and r["saves"] for r in records)
     # keep_last retires step_* only: the history is not among what it may remove
-    layout = project_module("checkpoint.layout")
+    layout = project_module("checkpoint.store.layout")
     assert layout.list_committed(storage_mod.LocalStorage(root), warn=False) == []
 
 

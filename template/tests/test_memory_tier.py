@@ -1,4 +1,4 @@
-"""The memory tier (checkpoint/memory.py, partners.py, memory_tier.py): copies in shared
+"""The memory tier (checkpoint/memory/: tier.py, copies.py, partners.py): copies in shared
 memory, partners on other nodes, and a restart from the nearest complete copy.
 
 The node-loss and whole-job cases run in ``drill --tier memory`` (at the end of this file).
@@ -15,9 +15,9 @@ import torch
 
 from conftest import PACKAGE, ROOT, project_module, run_module
 
-memory = project_module("checkpoint.memory")
-partners = project_module("checkpoint.partners")
-integrity = project_module("checkpoint.integrity")
+memory = project_module("checkpoint.memory.copies")
+partners = project_module("checkpoint.memory.partners")
+integrity = project_module("checkpoint.store.integrity")
 
 
 class Part:
@@ -118,7 +118,7 @@ def test_a_copy_of_another_shape_is_refused_before_anything_is_written(tmp_path)
 
 
 def test_a_start_checks_its_newest_copy_ahead_of_the_load(tmp_path):
-    tier = project_module("checkpoint.memory_tier")
+    tier = project_module("checkpoint.memory.tier")
     write_copy(tmp_path, state_of(0), step=5)
     newest = write_copy(tmp_path, state_of(1), step=7, slot=1)
     check = tier._Check(tmp_path, 0, 1, "all")
@@ -133,7 +133,7 @@ def test_a_start_checks_its_newest_copy_ahead_of_the_load(tmp_path):
 
 
 def test_a_restore_opens_its_copy_with_the_check_it_is_told(tmp_path, monkeypatch):
-    tier_module = project_module("checkpoint.memory_tier")
+    tier_module = project_module("checkpoint.memory.tier")
     cfg = project_module("config").load_config(str(ROOT / "configs" / "train.yaml"),
                                                ["checkpoint.verify=all"])
     runtime = project_module("runtime.distributed").Runtime(0, 1, 0, torch.device("cpu"),

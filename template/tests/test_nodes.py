@@ -160,8 +160,8 @@ def test_a_lease_of_an_earlier_run_of_the_same_job_is_taken_over(tmp_path, monke
     """A Slurm job requeued (or a Kubernetes pod replaced) on another machine finds the
     lease its earlier run left when its node vanished: same scheduler job id, taken over
     at once; another job's fresh lease is waited for."""
-    lease_mod = project_module("checkpoint.lease")
-    storage = project_module("checkpoint.storage").open_storage(str(tmp_path))
+    lease_mod = project_module("checkpoint.store.lease")
+    storage = project_module("checkpoint.store.storage").open_storage(str(tmp_path))
     now = time.time()
     for variable in lease_mod.JOB_ID_VARIABLES:
         monkeypatch.delenv(variable, raising=False)

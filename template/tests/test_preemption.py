@@ -142,7 +142,7 @@ def test_torchrun_command_forwards_preemption_signals_and_outwaits_the_grace():
     config = project_module("config").load_config(
         ROOT / "configs/train.yaml", ["preemption.grace_period_s=45.5",
                                       "preemption.signals=[SIGTERM,SIGUSR2]"])
-    cmd = project_module("launch.command").torchrun_command("train", [], config.preemption,
+    cmd = project_module("launch.torchrun").torchrun_command("train", [], config.preemption,
                                                     nproc_per_node=2,
                                                     max_restarts=config.recovery.max_restarts)
     handled = next(a for a in cmd if a.startswith("--signals-to-handle=")).split("=")[1]
@@ -229,7 +229,7 @@ def test_poller_is_started_on_local_rank_zero_only(preemption, metadata_service)
 
 
 def test_drain_gives_up_at_the_deadline_and_never_commits_what_it_gave_up(tmp_path):
-    manager_module = project_module("checkpoint.manager")
+    manager_module = project_module("checkpoint.save.manager")
     storage = project_module("checkpoint").open_storage(str(tmp_path / "ckpt"))
     manager = manager_module.CheckpointManager(storage, mode="sync", keep_last=2,
                                                is_coordinator=True, device=torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""The load's reader (checkpoint/reader.py): the same state as DCP's own reader, on the
+"""The load's reader (checkpoint/load/reader.py): the same state as DCP's own reader, on the
 same and on another world size; older checkpoints still load; damage found by the load."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def load_everything(directory: Path, reader) -> dict:
     with warnings.catch_warnings():   # "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=reader, planner=project_module(
-            "checkpoint.safe_load").SafeLoadPlanner(), no_dist=True)
+            "checkpoint.load.safe_load").SafeLoadPlanner(), no_dist=True)
     return state
 
 
@@ -61,10 +61,10 @@ def assert_identical(ours: dict, theirs: dict) -> None:
 
 
 def ours(directory: Path, checked: bool = True):
-    storage = project_module("checkpoint.storage").LocalStorage(directory.parent)
+    storage = project_module("checkpoint.store.storage").LocalStorage(directory.parent)
     record = json.loads((directory / "commit.json").read_text())
-    expected = project_module("checkpoint.integrity").expected(record) if checked else None
-    return storage.reader(directory.name, expected)
+    expected = project_module("checkpoint.store.integrity").expected(record) if checked else None
+    return project_module("checkpoint.load.reader").open_reader(storage, directory.name, expected)
 
 
 @pytest.mark.slow
@@ -84,8 +84,7 @@ def test_a_damaged_byte_is_found_by_the_load_itself(tmp_path, ckpt, where):
     """No pass before the load: the candidates are not read, the load finds the damage,
     and names it as damage even when the damaged record cannot even be parsed."""
     layout, storage_mod = ckpt
-    manager_mod = project_module("checkpoint.manager")
-    integrity = project_module("checkpoint.integrity")
+    integrity = project_module("checkpoint.store.integrity")
     storage = storage_mod.LocalStorage(tmp_path)
     state = {"w": torch.arange(300_000.0), "b": torch.ones(7), "step": 4}
     dcp.save(state, storage_writer=storage.writer(layout.staging_name(4, storage)),
@@ -93,24 +92,22 @@ def test_a_damaged_byte_is_found_by_the_load_itself(tmp_path, ckpt, where):
     directory = Path(layout.commit(storage, 4, {"world_size": 1}).path)
     shard = directory / "__0_0.distcp"
     flip_one_byte(shard, shard.stat().st_size // 2 if where == "tensor data" else 1)
-    manager = manager_mod.CheckpointManager(
-        storage, mode="sync", keep_last=2, is_coordinator=True, device=torch.device("cpu"))
-    (candidate,) = list(manager.candidates())   # sizes fit: not skipped before the load
+    load = project_module("checkpoint.load.restore").load_checkpoint
+    (candidate,) = list(layout.sized_newest_first(storage))   # sizes fit: not skipped before the load
     target = {"w": torch.zeros(300_000), "b": torch.zeros(7), "step": 0}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         with pytest.raises(integrity.ChecksumMismatch, match=r"__0_0\.distcp does not match "
                            r"its checksum: bytes 0-[\d,]+ have crc32"):
-            manager.load(target, candidate)
+            load(storage, target, candidate)
         # checkpoint.verify=none reads the same bytes unchecked: the damage goes through,
         # or breaks the record as something else.
-        manager.verify = "none"
         if where == "tensor data":
-            manager.load(target, candidate)
+            load(storage, target, candidate, verify="none")
             assert not torch.equal(target["w"], state["w"])
         else:
             with pytest.raises(Exception) as failure:   # any error, but not damage
-                manager.load(target, candidate)
+                load(storage, target, candidate, verify="none")
             assert not isinstance(failure.value, integrity.ChecksumMismatch)
 
 
@@ -118,8 +115,7 @@ def test_checkpoints_of_earlier_versions_still_load(tmp_path, ckpt, monkeypatch)
     """64 MiB checksum blocks (before this reader; the 12 MB shard is one block, not two) and
     no checksums at all (older still)."""
     layout, storage_mod = ckpt
-    integrity = project_module("checkpoint.integrity")
-    manager_mod = project_module("checkpoint.manager")
+    integrity = project_module("checkpoint.store.integrity")
     storage = storage_mod.LocalStorage(tmp_path)
     state = {"w": torch.randn(3_000_000), "step": 7}
     monkeypatch.setattr(integrity, "BLOCK_BYTES", 64 << 20)
@@ -134,13 +130,12 @@ def test_checkpoints_of_earlier_versions_still_load(tmp_path, ckpt, monkeypatch)
     del record["checksum"]
     record["files"] = {name: entry["size"] for name, entry in record["files"].items()}
     (directory / "commit.json").write_text(json.dumps(record))
-    manager = manager_mod.CheckpointManager(
-        storage, mode="sync", keep_last=2, is_coordinator=True, device=torch.device("cpu"))
+    load = project_module("checkpoint.load.restore").load_checkpoint
     old, older = sorted(layout.list_committed(storage), key=lambda c: c.step)
     assert old.record["checksum"]["block_bytes"] == 64 << 20
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         for checkpoint in (old, older):
             target = {"w": torch.zeros(3_000_000), "step": 0}
-            manager.load(target, checkpoint)
+            load(storage, target, checkpoint)
             assert torch.equal(target["w"], state["w"]) and target["step"] == 7

@@ -95,7 +95,7 @@ def losses(logs: Path) -> dict[int, set[float]]:
 # ------------------------------------------------------------ fast checks --
 def test_torchrun_command_restarts_in_place_with_a_fresh_store_per_attempt():
     config = project_module("config").load_config(ROOT / "configs/train.yaml")
-    launch = project_module("launch.command")
+    launch = project_module("launch.torchrun")
     cmd = launch.torchrun_command("train", [], config.preemption, nproc_per_node=2,
                                   max_restarts=config.recovery.max_restarts)
     assert f"--max-restarts={config.recovery.max_restarts}" in cmd

@@ -227,8 +227,8 @@ while True:
 
 def prepared_checkpoint(root: Path, step: int, reason: str) -> Path:
     """A committed checkpoint made by the commit protocol itself, in ``root/prepared``."""
-    layout = project_module("checkpoint.layout")
-    storage = project_module("checkpoint.storage").LocalStorage(root / "staging")
+    layout = project_module("checkpoint.store.layout")
+    storage = project_module("checkpoint.store.storage").LocalStorage(root / "staging")
     dcp.save({"w": torch.zeros(4)}, storage_writer=storage.writer(
         layout.staging_name(step, storage)), no_dist=True)
     committed = layout.commit(storage, step, {"world_size": 1, "reason": reason})
@@ -251,7 +251,7 @@ def test_resume_forwards_signals_and_tells_preemption_from_failure(
     resume = project_module("launch.supervisor")
     config = project_module("config")
     (tmp_path / "ckpt").mkdir()
-    storage = project_module("checkpoint.storage").LocalStorage(tmp_path / "ckpt")
+    storage = project_module("checkpoint.store.storage").LocalStorage(tmp_path / "ckpt")
     if old_preemption:
         shutil.move(prepared_checkpoint(tmp_path, 3, "preemption"),
                     tmp_path / "ckpt" / "step_000000003")

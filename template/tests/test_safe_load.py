@@ -27,10 +27,11 @@ class Payload:
 
 def test_real_metadata_is_read_and_a_crafted_one_refused(tmp_path, ckpt):
     layout, storage_mod = ckpt
-    safe_load = project_module("checkpoint.safe_load")
+    safe_load = project_module("checkpoint.load.safe_load")
     storage = storage_mod.LocalStorage(tmp_path)
     directory = save_and_commit(storage, layout, 1)
-    reader = storage.reader(directory.name)
+    open_reader = project_module("checkpoint.load.reader").open_reader
+    reader = open_reader(storage, directory.name)
     assert isinstance(reader, safe_load.SafeFileSystemReader)
     assert "w" in reader.read_metadata().state_dict_metadata
 
@@ -38,7 +39,7 @@ def test_real_metadata_is_read_and_a_crafted_one_refused(tmp_path, ckpt):
     forge_metadata(directory, malicious_pickle(marker))
     with pytest.raises(safe_load.UnsafeCheckpointError,
                        match=r"refusing to load .*step_000000001/\.metadata: it names posix\.system"):
-        storage.reader(directory.name).read_metadata()
+        open_reader(storage, directory.name).read_metadata()
     assert not marker.exists()
     # The same file through DCP's own reader runs the payload: the test means something.
     with pytest.raises(AttributeError):   # os.system's return value is no Metadata
@@ -46,10 +47,9 @@ def test_real_metadata_is_read_and_a_crafted_one_refused(tmp_path, ckpt):
     assert marker.exists()
 
 
-def test_manager_load_refuses_a_value_that_would_run_code(tmp_path, ckpt):
+def test_the_load_refuses_a_value_that_would_run_code(tmp_path, ckpt):
     layout, storage_mod = ckpt
-    safe_load = project_module("checkpoint.safe_load")
-    manager_mod = project_module("checkpoint.manager")
+    safe_load = project_module("checkpoint.load.safe_load")
     storage = storage_mod.LocalStorage(tmp_path)
     marker = tmp_path / "ran"
     work = layout.staging_name(3, storage)
@@ -57,12 +57,10 @@ def test_manager_load_refuses_a_value_that_would_run_code(tmp_path, ckpt):
              no_dist=True)
     committed = layout.commit(storage, 3, {"world_size": 1})
     assert not marker.exists()
-    manager = manager_mod.CheckpointManager(storage, mode="sync", keep_last=1,
-                                            is_coordinator=True, device=torch.device("cpu"))
     state = {"w": torch.zeros(4), "extra": None}
     with pytest.raises(safe_load.UnsafeCheckpointError,
                        match=r"checkpoint .*step_000000003: refusing to load the value 'extra'"):
-        manager.load(state, committed)
+        project_module("checkpoint.load.restore").load_checkpoint(storage, state, committed)
     assert not marker.exists()
     # DCP's default planner would have run it.
     dcp.load({"w": torch.zeros(4), "extra": None},
@@ -72,7 +70,6 @@ def test_manager_load_refuses_a_value_that_would_run_code(tmp_path, ckpt):
 
 def test_plain_values_still_load(tmp_path, ckpt):
     layout, storage_mod = ckpt
-    manager_mod = project_module("checkpoint.manager")
     storage = storage_mod.LocalStorage(tmp_path)
     progress = {"step": 7, "lr": [0.1, 0.01], "name": "x", "flags": (True, None)}
     saved = {"w": torch.arange(6.0), "progress": progress}
@@ -81,8 +78,7 @@ def test_plain_values_still_load(tmp_path, ckpt):
     committed = layout.commit(storage, 7, {"world_size": 1})
     blank = {"step": 0, "lr": [0, 0], "name": "", "flags": (False, 0)}
     state = {"w": torch.zeros(6), "progress": blank}
-    manager_mod.CheckpointManager(storage, mode="sync", keep_last=1, is_coordinator=True,
-                                  device=torch.device("cpu")).load(state, committed)
+    project_module("checkpoint.load.restore").load_checkpoint(storage, state, committed)
     assert torch.equal(state["w"], saved["w"]) and state["progress"] == saved["progress"]
 
 
@@ -95,7 +91,7 @@ def test_train_refuses_a_checkpoint_whose_metadata_would_run_code(run_dirs, tmp_
             "checkpoint.async_mode=sync", f"checkpoint.dir={run_dirs['ckpt']}",
             f"log.dir={run_dirs['logs']}"]
     run_module("train", "train.max_steps=4", *args)
-    layout = project_module("checkpoint.layout")
+    layout = project_module("checkpoint.store.layout")
     root = Path(run_dirs["ckpt"])
     marker = tmp_path / "ran"
     forge_metadata(root / layout.step_name(4), malicious_pickle(marker))
@@ -119,7 +115,7 @@ def test_train_refuses_a_checkpoint_whose_metadata_would_run_code(run_dirs, tmp_
 
 
 def test_restricted_unpickler_allows_exactly_dcp_metadata():
-    safe_load = project_module("checkpoint.safe_load")
+    safe_load = project_module("checkpoint.load.safe_load")
     for module, name in [("builtins", "eval"), ("os", "system"), ("subprocess", "Popen"),
                          ("torch", "load"), ("torch._utils", "_rebuild_tensor_v2"),
                          ("pathlib", "Path.write_text"), ("collections", "namedtuple")]:

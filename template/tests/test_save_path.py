@@ -72,7 +72,7 @@ def test_a_background_save_given_up_is_never_committed_when_it_finishes(tmp_path
     grace) must not be committed by the upload thread once the write is done."""
     import slow_storage
 
-    manager_mod = project_module("checkpoint.manager")
+    manager_mod = project_module("checkpoint.save.manager")
     storage = slow_storage.slow_storage(tmp_path / "ckpt", 0.5)
     manager = manager_mod.CheckpointManager(storage, mode="thread", keep_last=2,
                                             is_coordinator=True, device=torch.device("cpu"))
@@ -92,15 +92,15 @@ def test_the_save_plan_comes_from_the_cache_even_between_other_saves(tmp_path, m
     manager's own planner in the process that plans (this one in sync and thread mode).
     A differently shaped save in between (the checkpoint process's start-up save has a
     planner class of its own, as an export must) does not evict it."""
-    manager_mod = project_module("checkpoint.manager")
-    storage = project_module("checkpoint.storage").LocalStorage(tmp_path / "ckpt")
-    background = project_module("checkpoint.background")
+    manager_mod = project_module("checkpoint.save.manager")
+    storage = project_module("checkpoint.store.storage").LocalStorage(tmp_path / "ckpt")
+    background = project_module("checkpoint.save.background")
     manager = manager_mod.CheckpointManager(storage, mode=mode, keep_last=2,
                                             is_coordinator=True, device=torch.device("cpu"))
     manager.prepare()
     progress = {"step": 0}
     state = {"w": torch.randn(64, 8), "b": torch.zeros(8), "progress": progress}
-    planner = project_module("checkpoint.dcp_planner").TrainingStatePlanner
+    planner = project_module("checkpoint.save.dcp_planner").TrainingStatePlanner
     hits = []
     for step in range(1, 5):
         state["progress"]["step"] = step

@@ -194,7 +194,7 @@ def test_mlflow_gets_a_step_once_its_checkpoint_is_committed(tmp_path, monkeypat
     held back until the checkpoint covering it commits."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     trackers = project_module("tracking.trackers")
-    storage = project_module("checkpoint.storage").open_storage(str(tmp_path / "ckpt"))
+    storage = project_module("checkpoint.store.storage").open_storage(str(tmp_path / "ckpt"))
     Event = project_module("runtime.metrics").Event
     logs = str(tmp_path / "logs")
 
@@ -222,7 +222,7 @@ def test_mlflow_gets_a_step_once_its_checkpoint_is_committed(tmp_path, monkeypat
 def test_a_tracker_that_cannot_start_or_fails_leaves_training_alone(tmp_path, monkeypatch,
                                                                     capfd):
     trackers = project_module("tracking.trackers")
-    storage = project_module("checkpoint.storage").open_storage(str(tmp_path / "ckpt"))
+    storage = project_module("checkpoint.store.storage").open_storage(str(tmp_path / "ckpt"))
     Event = project_module("runtime.metrics").Event
     # An MLflow server that is not there: left out with one line, no exception.
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")

@@ -1,11 +1,18 @@
-"""Checkpointing: the checkpointer the training loop talks to (``checkpointer.py``), and
-below it the save decisions, the save pipeline, the commit protocol and the storage."""
+"""Checkpointing: the checkpointer the training loop talks to (``checkpointer.py``), the
+save decisions beside it (``policy.py``, ``failed_saves.py``), the training state it saves
+(``state.py``), and below them four wings, each importing only the ones after it:
+
+    memory/   the memory tier: copies in RAM of a node and of its partner node
+    save/     the save pipeline: async save, staging, the background process
+    load/     which checkpoint to load, read once and checked as it is read
+    store/    where checkpoints live: storage, the commit protocol, checksums, lease
+"""
 
 from .checkpointer import Checkpointer, CheckpointRefused, StepDecision, TrainingState
-from .layout import Committed, list_committed, newest_complete_checkpoint, step_name
-from .manager import CheckpointManager, SaveResult
-from .restore import CheckpointUnusable, IncompatibleCheckpoint
-from .storage import LocalStorage, open_storage
+from .load.restore import CheckpointUnusable, IncompatibleCheckpoint
+from .save.manager import CheckpointManager, SaveResult
+from .store.layout import Committed, list_committed, newest_complete_checkpoint, step_name
+from .store.storage import LocalStorage, open_storage
 
 __all__ = [
     "CheckpointManager",

@@ -29,13 +29,13 @@ from ..config import Config, OnSaveError
 from ..runtime import exit_codes
 from ..runtime.distributed import Runtime, decide_on_rank0
 from ..runtime.metrics import MetricsLog
-from .layout import BestRule, Committed, check_storage, newest_complete_checkpoint
-from .lease import Lease, LeaseHeld
-from .manager import CheckpointManager
-from .memory_tier import MemoryTier, MemoryTierUnusable
+from .load.restore import TrainingState, choose_and_load
+from .memory.tier import MemoryTier, MemoryTierUnusable
 from .policy import SavePolicy, StepBoundary, StepDecision
-from .restore import TrainingState, choose_and_load
-from .storage import Storage, StorageError, StorageUnavailable, open_storage
+from .save.manager import CheckpointManager
+from .store.layout import BestRule, Committed, check_storage, newest_complete_checkpoint
+from .store.lease import Lease, LeaseHeld
+from .store.storage import Storage, StorageError, StorageUnavailable, open_storage
 
 __all__ = ["CheckpointRefused", "Checkpointer", "StepDecision", "TrainingState"]
 
@@ -122,8 +122,8 @@ class Checkpointer:
         if self.memory is not None:   # the nearest copy: memory when not older than durable
             resumed = self.memory.restore(training.state(), self._newest_step)
         if resumed is None:
-            resumed = choose_and_load(self.manager, training, self.cfg, self.runtime,
-                                      self.metrics)
+            resumed = choose_and_load(self.manager.storage, self.manager.verify, training,
+                                      self.cfg, self.runtime, self.metrics)
         ckpt = self.cfg.checkpoint
         stop_at_once = ckpt.on_error == OnSaveError.stop   # the first failed save stops
         self._policy = SavePolicy(

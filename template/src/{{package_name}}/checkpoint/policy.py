@@ -38,8 +38,8 @@ from ..runtime.distributed import any_rank, decide_on_rank0
 from ..runtime.metrics import Event, MetricsLog
 from ..runtime.phases import Phase
 from .failed_saves import FailedSaves
-from .layout import Committed
-from .manager import CheckpointManager, SaveResult
+from .save.manager import CheckpointManager, SaveResult
+from .store.layout import Committed
 
 log = logging.getLogger(__name__)
 

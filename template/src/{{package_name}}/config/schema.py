@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..interval.formulas import CRASH_SHARE, NODE_LOSS_SHARE, SHARE_SLACK
 from ..runtime import exit_codes
+from .plan_defaults import CRASH_SHARE, NODE_LOSS_SHARE, SHARE_SLACK
 from .yaml_file import UnreadableConfig, read_yaml
 
 DEFAULT_CONFIG = Path("configs/train.yaml")
@@ -46,7 +46,7 @@ class AsyncMode(str, enum.Enum):
 
 class VerifyMode(str, enum.Enum):
     all = "all"        # checksum every byte of the checkpoint before loading it
-    sample = "sample"  # small files whole, a part of each large one (checkpoint/integrity.py)
+    sample = "sample"  # small files whole, a part of each large one (checkpoint/store/integrity.py)
     none = "none"      # file sizes only
 
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from .. import PACKAGE
-from ..checkpoint.storage import open_storage
+from ..checkpoint.store.storage import open_storage
 from ..config import DEFAULT_CONFIG, Config, ConfigError, load_config
 from ..ledger.advice import inputs_from, mtbi_notice, run_ledger
 from ..ledger.advice import measured as ledger_measured

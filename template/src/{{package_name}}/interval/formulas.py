@@ -88,7 +88,7 @@ below). With a = 0 there is no memory optimum; with 1 - a = 0 (no job losses) th
 part costs nothing for rare saves and N_d stays N.
 
 Memory each rank holds with the tier on: two slots of its own shard and two of its
-partner's (checkpoint/memory.py: the newest complete copy and the one before it, or the
+partner's (checkpoint/memory/copies.py: the newest complete copy and the one before it, or the
 next being written), 2 + 2 shards once two copies were made (on one node 2: no
 partner). ``memory_shards_per_rank`` says so; the copies are freed when the job ends.
 
@@ -106,6 +106,7 @@ import os
 import statistics
 from dataclasses import dataclass
 
+from ..config.plan_defaults import CRASH_SHARE, NODE_LOSS_SHARE, SHARE_SLACK
 from ..runtime.metrics import METRICS_FILE, Event, metrics_file, read_events
 
 # ------------------------------------------------------------------ inputs ----
@@ -120,10 +121,6 @@ class PlanInputError(ValueError):
         self.message = message
 
 
-CRASH_SHARE = 0.5  # assumed share of interruptions that are crashes (restarted in place)
-NODE_LOSS_SHARE = 0.2  # assumed share of interruptions that take one node (its memory) away
-# c + ν may exceed 1 by this much (0.7 + 0.3 is not exactly 1 in floats).
-SHARE_SLACK = 1e-9
 
 
 @dataclass(frozen=True)
@@ -467,7 +464,7 @@ def break_even_memory_blocking(inputs: Inputs) -> float | None:
 
 
 # Shards of its own size each rank keeps in memory with the memory tier on, (own,
-# partner's): two slots each (checkpoint/memory.py SLOTS), both kept once written, so the
+# partner's): two slots each (checkpoint/memory/copies.py SLOTS), both kept once written, so the
 # steady state is the peak.
 MEMORY_SHARDS = (2, 2)
 

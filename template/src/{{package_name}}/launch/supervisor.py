@@ -40,11 +40,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import PACKAGE
-from ..checkpoint import Committed, compat, newest_complete_checkpoint, open_storage
-from ..checkpoint.layout import check_storage
-from ..checkpoint.lease import Lease, LeaseHeld, scheduler_job_id
-from ..checkpoint.outage import command_failure, with_retries
-from ..checkpoint.storage import Storage
+from ..checkpoint import Committed, newest_complete_checkpoint, open_storage
+from ..checkpoint.load import compat
+from ..checkpoint.store.layout import check_storage
+from ..checkpoint.store.lease import Lease, LeaseHeld, scheduler_job_id
+from ..checkpoint.store.outage import command_failure, with_retries
+from ..checkpoint.store.storage import Storage
 from ..config import Config, ConfigError, PreemptionConfig, RecoveryConfig, VerifyMode, load_config
 from ..interval.inputs import configured_inputs
 from ..ledger.advice import mtbi_notice
@@ -53,7 +54,7 @@ from ..loop.task_contract import check_config, load_task
 from ..preemption import early
 from ..runtime import exit_codes, phases
 from .agent import as_agent
-from .command import DEFAULT_RDZV_ID, positive_int, rdzv_conf, torchrun_command
+from .torchrun import DEFAULT_RDZV_ID, positive_int, rdzv_conf, torchrun_command
 from .verdict import (
     exit_status,
     node_lost_since,

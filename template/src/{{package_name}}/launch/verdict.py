@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from ..checkpoint import Committed, newest_complete_checkpoint
-from ..checkpoint.storage import Storage
+from ..checkpoint.store.storage import Storage
 from ..config import PreemptionConfig, RecoveryConfig
 from ..recovery.attempts import describe, read_records
 from ..runtime import exit_codes

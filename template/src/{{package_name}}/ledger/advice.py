@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .. import PACKAGE
-from ..checkpoint.storage import Storage, open_storage
+from ..checkpoint.store.storage import Storage, open_storage
 from ..config import Config
 from ..interval.formulas import Inputs, MetricsError, read_metrics, recommended_interval_steps
 from ..interval.inputs import configured_inputs

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import PACKAGE
-from ..checkpoint.outage import ends_storage_errors
+from ..checkpoint.store.outage import ends_storage_errors
 from ..config import Config, ConfigError, load_config
 from ..interval.formulas import badput, badput_components
 from ..runtime import exit_codes

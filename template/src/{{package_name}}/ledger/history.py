@@ -39,7 +39,7 @@ import time
 import uuid
 from typing import Any
 
-from ..checkpoint.storage import Storage
+from ..checkpoint.store.storage import Storage
 from ..runtime import exit_codes
 from ..runtime.metrics import Event
 from ..runtime.phases import process_start_time

@@ -38,7 +38,7 @@ from ..checkpoint import (
     Committed,
     IncompatibleCheckpoint,
 )
-from ..checkpoint.background import quiet_checkpoint_process_exit, stop_background_processes
+from ..checkpoint.save.background import quiet_checkpoint_process_exit, stop_background_processes
 from ..config import Config, ConfigError, load_config, to_plain_dict
 from ..ledger.history import HistorySink
 from ..preemption.launcher import LauncherWatch

@@ -27,7 +27,7 @@ import logging
 import time
 from typing import Any
 
-from ..checkpoint.storage import Storage
+from ..checkpoint.store.storage import Storage
 from ..runtime.exit_codes import NOT_SAVED
 from .attempts import FAILURES
 

@@ -15,7 +15,7 @@ them alike):
 - ``disk_bound``: every rank writes and fsyncs as many bytes as its shard, in parallel;
 - ``baseline``: gather the full state on rank 0, ``torch.save`` it and fsync (the
   common way); ``dcp_sync``: a plain ``dcp.save``;
-- ``load``: load the newest checkpoint through the resume path (``CheckpointManager.load``,
+- ``load``: load the newest checkpoint through the resume path (``load_checkpoint``,
   its checksums checked as it reads); ``verify``: a checksum pass of its own on rank 0
   (what ``verify`` does; no longer on the resume path); ``read_bound``: every rank reads
   the bytes of its own shard; ``baseline_load``: rank 0 ``torch.load`` and a broadcast.
@@ -68,8 +68,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import PACKAGE
 from ..checkpoint import CheckpointRefused
-from ..checkpoint.dcp_planner import TrainingStatePlanner
-from ..checkpoint.memory_tier import MemoryTier
+from ..checkpoint.load.restore import load_checkpoint
+from ..checkpoint.memory.tier import MemoryTier
+from ..checkpoint.save.dcp_planner import TrainingStatePlanner
 from ..config import AsyncMode, ConfigError, load_config
 from ..loop.task_contract import load_task
 from ..runtime import exit_codes
@@ -387,7 +388,7 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
             raise RuntimeError("the newest checkpoint did not verify")
 
     def load(_: int) -> None:
-        manager.load(state, checkpoint)
+        load_checkpoint(manager.storage, state, checkpoint, manager.verify)
 
     buffer = bytearray(8 << 20)
 

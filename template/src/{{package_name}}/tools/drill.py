@@ -59,7 +59,7 @@ from pathlib import Path
 
 from .. import PACKAGE
 from ..config import Config, ConfigError, load_config
-from ..launch.command import positive_int, torchrun_command
+from ..launch.torchrun import positive_int, torchrun_command
 from ..loop.sampling import BatchSizeError, split_global_batch
 from ..loop.task_contract import check_config, load_task
 from ..runtime import exit_codes

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import PACKAGE
-from ..checkpoint import layout
-from ..checkpoint.lease import Lease
-from ..checkpoint.storage import open_storage
+from ..checkpoint.store import layout
+from ..checkpoint.store.lease import Lease
+from ..checkpoint.store.storage import open_storage
 from ..recovery.attempts import read_records
 from ..runtime import exit_codes
 from .process_tree import process_tree

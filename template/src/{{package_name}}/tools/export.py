@@ -44,10 +44,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import PACKAGE
 from ..checkpoint import Committed, list_committed, newest_complete_checkpoint, open_storage
-from ..checkpoint.layout import BestRule
-from ..checkpoint.outage import ends_storage_errors
-from ..checkpoint.safe_load import SafeLoadPlanner, UnsafeCheckpointError, unsafe_failure
-from ..checkpoint.storage import Storage
+from ..checkpoint.load.reader import open_reader
+from ..checkpoint.load.safe_load import SafeLoadPlanner, UnsafeCheckpointError, unsafe_failure
+from ..checkpoint.store.layout import BestRule
+from ..checkpoint.store.outage import ends_storage_errors
+from ..checkpoint.store.storage import Storage
 from ..config import ConfigError, load_config, task_section
 from ..models.hf import HFConfig, hf_config, transformers_module
 from ..runtime import exit_codes
@@ -97,7 +98,7 @@ def find_checkpoint(argument: str | None, checkpoint_dir: str,
 
 def model_tensors(storage: Storage, checkpoint: Committed) -> dict[str, TensorStorageMetadata]:
     """Name -> stored shape and dtype of every model weight in the checkpoint."""
-    metadata = storage.reader(checkpoint.name).read_metadata()
+    metadata = open_reader(storage, checkpoint.name).read_metadata()
     return {key[len(MODEL_PREFIX):]: value
             for key, value in metadata.state_dict_metadata.items()
             if key.startswith(MODEL_PREFIX) and isinstance(value, TensorStorageMetadata)}
@@ -108,14 +109,14 @@ def load_weights(storage: Storage, checkpoint: Committed,
     """The full tensors of ``wanted``, reassembled from every rank's shard (no process group).
 
     The checkpoint is read like training reads it: its metadata with the restricted
-    unpickler, nothing in it run as code (checkpoint/safe_load.py).
+    unpickler, nothing in it run as code (checkpoint/load/safe_load.py).
     """
     state = {MODEL_PREFIX + name: torch.empty(meta.size, dtype=meta.properties.dtype)
              for name, meta in wanted.items()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
         try:
-            dcp.load(state, storage_reader=storage.reader(checkpoint.name),
+            dcp.load(state, storage_reader=open_reader(storage, checkpoint.name),
                      planner=SafeLoadPlanner(), no_dist=True)
         except BaseException as exc:  # DCP wraps errors in CheckpointException (a BaseException)
             unsafe = unsafe_failure(exc)

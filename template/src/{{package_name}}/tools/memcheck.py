@@ -28,7 +28,7 @@ import numpy as np
 from .. import PACKAGE
 from ..config import ConfigError, load_config
 from ..datasets.tokens import FORMAT, INDEX_FILE, VERSION
-from ..launch.command import positive_int
+from ..launch.torchrun import positive_int
 from ..runtime import exit_codes
 from ..runtime.output_dirs import ignore_in_git, make_output_dir
 from .export import parse_size

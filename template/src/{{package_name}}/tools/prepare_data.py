@@ -40,7 +40,7 @@ import numpy as np
 
 from .. import PACKAGE
 from ..datasets.tokens import DTYPES, FORMAT, INDEX_FILE, VERSION, dtype_fits, dtype_for
-from ..launch.command import positive_int
+from ..launch.torchrun import positive_int
 from ..runtime import exit_codes
 from .tokenizer import BYTES, PrepareError, Tokenizer, load_tokenizer
 

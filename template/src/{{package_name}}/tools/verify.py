@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 from .. import PACKAGE
-from ..checkpoint import layout
-from ..checkpoint.outage import ends_storage_errors, with_retries
-from ..checkpoint.storage import human_bytes, open_storage
+from ..checkpoint.store import layout
+from ..checkpoint.store.outage import ends_storage_errors, with_retries
+from ..checkpoint.store.storage import human_bytes, open_storage
 from ..config import OBJECT_STORE_SCHEMES, ConfigError, VerifyMode, load_config
 from ..runtime import exit_codes
 

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .. import PACKAGE
-from ..checkpoint.storage import Storage
+from ..checkpoint.store.storage import Storage
 from ..config import ConfigError
 from ..runtime.metrics import Event
 

@@ -27,8 +27,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..runtime.distributed import decide_on_rank0
-from . import integrity, safe_load
+from ...runtime.distributed import decide_on_rank0
+from . import integrity
+from . import metadata as metadata_file
 from .outage import with_retries
 from .storage import (
     Storage,
@@ -105,7 +106,8 @@ def commit(storage: Storage, step: int, record: dict[str, Any],
     if METADATA_FILE not in files:
         raise RuntimeError(f"cannot commit {work}: {METADATA_FILE} is missing")
     if not isinstance(getattr(metadata, "storage_data", None), dict):
-        metadata = storage.reader(work).read_metadata()
+        with storage.open_read(f"{work}/{METADATA_FILE}") as handle:
+            metadata = metadata_file.load_metadata(handle, storage.path(f"{work}/{METADATA_FILE}"))
     named = {info.relative_path for info in metadata.storage_data.values()}
     missing = sorted(named - files.keys())
     if missing:
@@ -245,8 +247,8 @@ def verify_checkpoint(storage: Storage, name: str, verify: str = "all") -> Verdi
         return dataclasses.replace(verdict, status="FAILED", reason=check.problem)
     try:
         with storage.open_read(f"{name}/{METADATA_FILE}") as handle:
-            safe_load.load_metadata(handle, storage.path(f"{name}/{METADATA_FILE}"))
-    except (safe_load.UnsafeCheckpointError, OSError) as exc:
+            metadata_file.load_metadata(handle, storage.path(f"{name}/{METADATA_FILE}"))
+    except (metadata_file.UnsafeCheckpointError, OSError) as exc:
         return dataclasses.replace(verdict, status="FAILED", reason=str(exc))
     return verdict
 

@@ -25,8 +25,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from ..runtime.distributed import decide_on_rank0
-from ..runtime.output_dirs import make_output_dir
+from ...runtime.distributed import decide_on_rank0
+from ...runtime.output_dirs import make_output_dir
 
 SPAWN_WAIT_S = 30.0   # how long the log redirection waits for the process to be spawned
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .integrity import Expected
-from .storage import Storage
+from ..store.integrity import Expected
+from ..store.storage import Storage
+from .reader import open_reader
 
 MODEL_PREFIX = "app.model."  # where checkpoint.state puts the model's tensors
 SHOWN = 4                    # differences listed per kind
@@ -20,7 +21,7 @@ def saved_model_shapes(storage: Storage, name: str, checksums: Expected | None =
                        ) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every model tensor a checkpoint holds (``.metadata`` checked
     against ``checksums`` first when they are given: ChecksumMismatch)."""
-    metadata = storage.reader(name, checksums).read_metadata()
+    metadata = open_reader(storage, name, checksums).read_metadata()
     return {key[len(MODEL_PREFIX):]: tuple(item.size)
             for key, item in metadata.state_dict_metadata.items()
             if key.startswith(MODEL_PREFIX) and hasattr(item, "size")}

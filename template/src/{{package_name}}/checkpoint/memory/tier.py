@@ -41,13 +41,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..config import Config
-from ..runtime import phases
-from ..runtime.distributed import Runtime, any_rank
-from ..runtime.metrics import Event, MetricsLog
-from ..runtime.phases import Phase
-from .layout import Committed
-from .memory import (
+from ...config import Config
+from ...runtime import phases
+from ...runtime.distributed import Runtime, any_rank
+from ...runtime.metrics import Event, MetricsLog
+from ...runtime.phases import Phase
+from ..store.layout import Committed
+from .copies import (
     DATA,
     SKELETON,
     Copy,

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..runtime import exit_codes
-from ..runtime.exit_codes import error_line
+from ...runtime import exit_codes
+from ...runtime.exit_codes import error_line
 from .storage import StorageError, StorageUnavailable, causes, is_transient, store_cause
 
 T = TypeVar("T")

@@ -17,20 +17,12 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
-from torch.distributed.checkpoint import (
-    FileSystemWriter,
-    StorageReader,
-    StorageWriter,
-)
+from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
 
-from ..config import OBJECT_STORE_SCHEMES
-from ..runtime.output_dirs import make_output_dir
-from .reader import OneReadFileSystemReader, one_read_fsspec_reader
-
-if TYPE_CHECKING:
-    from .integrity import Expected
+from ...config import OBJECT_STORE_SCHEMES
+from ...runtime.output_dirs import make_output_dir
 
 
 class StorageError(OSError):
@@ -39,7 +31,7 @@ class StorageError(OSError):
 
 class StorageUnavailable(StorageError):
     """checkpoint.dir cannot be reached now (connection refused, timed out, the service
-    unavailable): an outage that may pass, not a refusal (checkpoint/outage.py)."""
+    unavailable): an outage that may pass, not a refusal (checkpoint/store/outage.py)."""
 
 
 # What a store's client raises when the service cannot be reached, by class name: the
@@ -132,13 +124,6 @@ class LocalStorage:
 
     def writer(self, name: str) -> StorageWriter:
         return FileSystemWriter(self.path(name), sync_files=True)
-
-    def reader(self, name: str, expected: Expected | None = None) -> StorageReader:
-        # Never DCP's plain reader: it unpickles .metadata without restriction. This one
-        # reads each file once and checks ``expected`` (commit.json's checksums) as it reads.
-        reader = OneReadFileSystemReader(self.path(name))
-        reader.expected = expected
-        return reader
 
     def open_read(self, name: str) -> IO[bytes]:
         return open(self.root / name, "rb")
@@ -259,12 +244,6 @@ class FsspecStorage:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         return FsspecWriter(self.path(name), sync_files=True)
-
-    def reader(self, name: str, expected: Expected | None = None) -> StorageReader:
-        # As LocalStorage.reader: one sequential stream per file, not a request per tensor.
-        reader = one_read_fsspec_reader(self.path(name))
-        reader.expected = expected
-        return reader
 
     def open_read(self, name: str) -> IO[bytes]:
         return self.fs.open(self._key(name), "rb")

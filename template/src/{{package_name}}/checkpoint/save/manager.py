@@ -6,16 +6,13 @@ metadata file once all shards are written, and only then commits. In ``process``
 caller must call ``wait_staged`` before it changes parameters again (the optimizer
 step), and ``poll`` at every step so that a finished save is committed promptly.
 
-(About 500 lines: saving, committing and abandoning a save share the in-flight state
+(About 470 lines: saving, committing and abandoning a save share the in-flight state
 and its lock, and are easiest to check side by side; starting the background process and
-the staging buffers, and the load, use the same storage, stager and verify setting. The
-reading itself is in ``reader.py``.)
+the staging buffers use the same storage and stager. Loading is in ``load/``.)
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import threading
 import time
@@ -33,20 +30,20 @@ from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..config import AsyncMode
-from ..runtime.distributed import any_rank
-from . import integrity, layout
-from .background import start_checkpoint_process
-from .dcp_planner import TrainingStatePlanner
-from .lease import Lease
-from .staging import ReusingStager
-from .storage import (
+from ...config import AsyncMode
+from ...runtime.distributed import any_rank
+from ..store import layout
+from ..store.lease import Lease
+from ..store.storage import (
     Storage,
     StorageUnavailable,
     describe_save_error,
     is_transient,
     save_failures,
 )
+from .background import start_checkpoint_process
+from .dcp_planner import TrainingStatePlanner
+from .staging import ReusingStager
 
 log = logging.getLogger(__name__)
 
@@ -217,39 +214,6 @@ class CheckpointManager:
 
     def newest(self) -> layout.Committed | None:
         return layout.newest_complete_checkpoint(self.storage, verify=self.verify)
-
-    def candidates(self):
-        """Complete checkpoints, newest first, for a resume: the load checks their checksums
-        as it reads them (``load``), so they are not read beforehand."""
-        return layout.sized_newest_first(self.storage)
-
-    def load(self, state: dict[str, Any], checkpoint: layout.Committed) -> None:
-        """Load ``state`` (Stateful objects) in place; DCP reshards to this world size.
-
-        Nothing in the checkpoint runs as code: ``.metadata`` is unpickled with only DCP's
-        metadata classes allowed, non-tensor values load with ``weights_only=True``
-        (``safe_load``). Anything else raises UnsafeCheckpointError, on every rank alike.
-        """
-        from .safe_load import SafeLoadPlanner, UnsafeCheckpointError, failure_of
-
-        # The checksums are checked as the load reads the bytes (reader.py), unless
-        # checkpoint.verify is none: a damaged block fails the load with ChecksumMismatch.
-        expected = None if self.verify == "none" else integrity.expected(checkpoint.record)
-        reader = self.storage.reader(checkpoint.name, expected)
-        try:
-            # Every rank reads .metadata for itself, so every rank refuses a bad one here,
-            # before DCP's collectives begin: none is left waiting for another.
-            with _garbage_collection_paused():
-                reader.read_metadata()
-                dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
-        except CheckpointException as exc:
-            damaged = failure_of(exc, integrity.ChecksumMismatch)
-            if damaged is not None:   # any rank's: the message names the file and bytes
-                raise integrity.ChecksumMismatch(str(damaged)) from None
-            unsafe = failure_of(exc, UnsafeCheckpointError)
-            if unsafe is None:
-                raise
-            raise UnsafeCheckpointError(f"checkpoint {checkpoint.path}: {unsafe}") from None
 
     # ------------------------------------------------------------------- save --
     @property
@@ -482,21 +446,6 @@ class CheckpointManager:
             self._stager.close()
         self._stager = None
         return result
-
-
-@contextlib.contextmanager
-def _garbage_collection_paused():
-    """No full garbage collection in the middle of a load. A trainer holds a few hundred
-    thousand objects; the load's plans and records make enough new ones to start a full
-    collection, which took 0.2 to 0.3 s of a 0.3 s load on 2 CPU ranks (measured with
-    gc.callbacks). What the load leaves behind is freed by reference counting anyway."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 class _NotCommitted(RuntimeError):

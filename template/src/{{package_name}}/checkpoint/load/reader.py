@@ -41,7 +41,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from .integrity import ChecksumMismatch, Expected
+from ..store.integrity import ChecksumMismatch, Expected
+from ..store.storage import LocalStorage, Storage
 from .safe_load import SafeFileSystemReader, load_metadata, safe_fsspec_reader_class
 
 READ_THREADS = 4            # files read at once
@@ -142,6 +143,19 @@ class OneReadMixin:
             pipe.fail(exc)
         finally:
             pipe.close()
+
+
+def open_reader(storage: Storage, name: str, expected: Expected | None = None) -> FileSystemReader:
+    """The reader for checkpoint ``name`` of ``storage``: never DCP's plain reader (it
+    unpickles .metadata without restriction); this one reads each file once, as one
+    sequential stream (not a request per tensor), and checks ``expected`` (commit.json's
+    checksums) as it reads."""
+    if isinstance(storage, LocalStorage):
+        reader = OneReadFileSystemReader(storage.path(name))
+    else:
+        reader = one_read_fsspec_reader(storage.path(name))
+    reader.expected = expected
+    return reader
 
 
 class OneReadFileSystemReader(OneReadMixin, SafeFileSystemReader):

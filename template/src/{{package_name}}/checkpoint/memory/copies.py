@@ -46,8 +46,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import PACKAGE
-from .integrity import (
+from ... import PACKAGE
+from ..store.integrity import (
     ALGORITHM,
     BLOCK_BYTES,
     ChecksumMismatch,

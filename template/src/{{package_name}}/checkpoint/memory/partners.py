@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .memory import DATA, SKELETON, Copy, Opened, Slot, table_of_size
+from .copies import DATA, SKELETON, Copy, Opened, Slot, table_of_size
 
 HEADER = 4   # has a copy, step, commit-record bytes, skeleton bytes
 

@@ -1,0 +1,1 @@
+"""Loading a checkpoint: which one, read once and checked as read, nothing run from it."""

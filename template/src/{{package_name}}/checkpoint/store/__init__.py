@@ -1,0 +1,1 @@
+"""Where checkpoints live: the storage, the commit protocol, checksums, the lease, outages."""
