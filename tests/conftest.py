@@ -68,9 +68,19 @@ def default_project(tmp_path_factory) -> Path:
     return render(tmp_path_factory.mktemp("default") / "my-run")
 
 
+# Every optional part on (copier.yml, "optional parts"): its whole suite runs in make test.
+FULL = {"memory_tier": True, "trackers": True, "straggler_detection": True,
+        "multi_node_drill": True, "cloud": "aws"}
+
+
+@pytest.fixture(scope="session")
+def full_project(tmp_path_factory) -> Path:
+    return render(tmp_path_factory.mktemp("full") / "my-run", **FULL)
+
+
 # The longest test first: with `pytest -n 2 --dist worksteal` (make test) it starts at
 # once on one worker, and the other worker takes the rest of that worker's queue.
-LONGEST_FIRST = ("test_default_project_own_test_suite_passes",)
+LONGEST_FIRST = ("test_full_project_own_test_suite_passes",)
 
 
 def pytest_collection_modifyitems(config, items):

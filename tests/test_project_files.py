@@ -6,6 +6,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
 from copier import run_copy
 
 from conftest import REPO, git, package_of, render, run_in
@@ -171,8 +172,8 @@ def paths_named_but_missing(project: Path) -> list[str]:
     A path counts as the project's source when its first folder is one of the project's
     (src, tests, docs, configs, launch) or of its package (named from inside it, as the
     docs do: ``preemption/early.py``); run output (``logs/…``, ``DIR/…``) is not source.
-    A path said (within a line of text around it) to be in the template repository is
-    left out.
+    A path said (within a line of text around it) to be in the template repository, or
+    to be rendered with a copier answer (an optional part), is left out.
     """
     package = package_of(project)
     source = project / "src" / package
@@ -189,26 +190,32 @@ def paths_named_but_missing(project: Path) -> list[str]:
             if "<" in named or named.split("/", 1)[0] not in tops:
                 continue
             line = text[text.rfind("\n", 0, found.start()) + 1:text.find("\n", found.end())]
-            if "template repository" in text[found.start() - 80:found.end() + 80]:
+            around = text[found.start() - 80:found.end() + 80]
+            if "template repository" in around:
+                continue
+            if re.search(r"rendered with|copier answer", around):   # an optional part
                 continue
             if not any((base / named).exists() for base in (project, source, path.parent)):
                 missing.append(f"{path.relative_to(project)} names {named}: {line.strip()}")
     return missing
 
 
-def test_every_source_path_a_doc_or_comment_names_exists(default_project, tmp_path):
+def test_every_source_path_a_doc_or_comment_names_exists(default_project, full_project,
+                                                         tmp_path):
     every_launcher = render(tmp_path / "p", launchers=["slurm", "kubernetes", "skypilot"],
                             cloud="aws")
-    for project in (default_project, every_launcher):
+    for project in (default_project, full_project, every_launcher):
         assert paths_named_but_missing(project) == [], project.name
 
 
-def test_extending_names_every_folder_and_command_of_the_package(default_project):
+@pytest.mark.parametrize("which", ["default_project", "full_project"])
+def test_extending_names_every_folder_and_command_of_the_package(which, request):
     """docs/EXTENDING.md's "Where the harness lives": a row for each folder of the package
     (the user's models/ and datasets/ are named above the table), each command listed."""
-    package = package_of(default_project)
-    source = default_project / "src" / package
-    text = (default_project / "docs/EXTENDING.md").read_text(encoding="utf-8")
+    project = request.getfixturevalue(which)
+    package = package_of(project)
+    source = project / "src" / package
+    text = (project / "docs/EXTENDING.md").read_text(encoding="utf-8")
     section = text.split("## Where the harness lives", 1)[1].split("\n## ", 1)[0]
     rows = set(re.findall(r"^\| `(\w+)/` \|", section, re.MULTILINE))
     folders = {p.name for p in source.iterdir() if p.is_dir() and p.name != "__pycache__"}
@@ -219,8 +226,8 @@ def test_extending_names_every_folder_and_command_of_the_package(default_project
     assert commands <= listed, commands - listed
 
 
-def test_architecture_names_every_module_of_a_default_render(default_project):
-    source = default_project / "src" / package_of(default_project)
+def test_architecture_names_every_module_of_a_full_render(full_project):
+    source = full_project / "src" / package_of(full_project)
     text = (REPO / "docs/architecture.md").read_text(encoding="utf-8")
     unnamed = [str(p.relative_to(source)) for p in sorted(source.rglob("*.py"))
                if p.parent != source and p.name != "__init__.py"
@@ -232,10 +239,10 @@ def test_architecture_names_every_module_of_a_default_render(default_project):
 WING_ORDER = ("memory", "save", "load", "store")
 
 
-def test_checkpoint_wings_import_only_downwards(default_project):
+def test_checkpoint_wings_import_only_downwards(full_project):
     """No module of a wing imports the checkpoint facade, the save decisions, or a wing
     before it: no circle and no arrow running back up in checkpoint/."""
-    checkpoint = default_project / "src" / package_of(default_project) / "checkpoint"
+    checkpoint = full_project / "src" / package_of(full_project) / "checkpoint"
     assert {p.name for p in checkpoint.iterdir() if p.is_dir() and p.name != "__pycache__"
             } == set(WING_ORDER)
     wrong = []

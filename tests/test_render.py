@@ -38,7 +38,7 @@ def rendered_files(project: Path) -> list[Path]:
 def assert_complete(project: Path) -> None:
     package = package_of(project)
     for name in ("configs/train.yaml", "pyproject.toml", "README.md", ".copier-answers.yml",
-                 f"src/{package}/train.py", f"src/{package}/checkpoint/save/manager.py",
+                 f"src/{package}/train.py", f"src/{package}/checkpoint/save/pipeline.py",
                  "tests/conftest.py"):
         assert (project / name).is_file(), name
     for path in rendered_files(project):
@@ -56,9 +56,11 @@ def test_default_render_is_complete(default_project):
     assert answers["package_name"] == "my_run" and "_src_path" in answers
 
 
-def test_generated_code_is_lint_clean(default_project):
+@pytest.mark.parametrize("which", ["default_project", "full_project"])
+def test_generated_code_is_lint_clean(which, request):
     ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
-    proc = subprocess.run([ruff, "check", "--no-cache", "src", "tests"], cwd=default_project,
+    proc = subprocess.run([ruff, "check", "--no-cache", "src", "tests"],
+                          cwd=request.getfixturevalue(which),
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -97,27 +99,28 @@ def test_launch_files_follow_the_answers(tmp_path, default_project):
 def test_default_project_fast_tier_passes(default_project, request):
     """The generated suite without its slow tests (make check's share of it)."""
     if "not slow" not in (request.config.getoption("-m") or ""):
-        pytest.skip("the whole generated suite runs in test_default_project_own_test_suite_passes")
+        pytest.skip("the whole generated suite runs in test_full_project_own_test_suite_passes")
     proc = run_in(default_project, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                   *(["-n", "2"] if importlib.util.find_spec("xdist") else []), timeout=900)
     assert " passed" in proc.stdout and " failed" not in proc.stdout
 
 
-# The generated suite with its slow tests, in two halves of about the same length run
-# side by side (the machine has two cores; most of these tests keep one busy): the kill
-# loop, the real servers and the node-loss drills, and the rest.
+# The whole generated suite of a render with every optional part (conftest.FULL; the
+# default render's fast tier runs in make check), in two halves of about the same length
+# run side by side (the machine has two cores; most of these tests keep one busy): the
+# kill loop, the real servers and the node-loss drills, and the rest.
 FIRST_HALF = {"test_kill_loop.py", "test_object_store.py", "test_tracking.py",
               "test_compile.py", "test_node_loss.py", "test_memory_tier.py",
               "test_stop_phases.py"}
 
 
 @pytest.mark.slow
-def test_default_project_own_test_suite_passes(default_project, tmp_path):
-    files = sorted(p.name for p in (default_project / "tests").glob("test_*.py"))
+def test_full_project_own_test_suite_passes(full_project, tmp_path):
+    files = sorted(p.name for p in (full_project / "tests").glob("test_*.py"))
     assert FIRST_HALF <= set(files)
     halves = {"first": [f for f in files if f in FIRST_HALF],
               "second": [f for f in files if f not in FIRST_HALF]}
-    env = dict(os.environ, PYTHONPATH=str(default_project / "src"), OMP_NUM_THREADS="1",
+    env = dict(os.environ, PYTHONPATH=str(full_project / "src"), OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")
     running = {}
     for name, chosen in halves.items():
@@ -126,7 +129,7 @@ def test_default_project_own_test_suite_passes(default_project, tmp_path):
                 [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                  "--run-slow", "--basetemp", str(tmp_path / name),
                  *[f"tests/{f}" for f in chosen]],
-                cwd=default_project, env=env, stdout=log, stderr=subprocess.STDOUT)
+                cwd=full_project, env=env, stdout=log, stderr=subprocess.STDOUT)
     failed = []
     for name, proc in running.items():
         try:

@@ -92,6 +92,10 @@ NON_DEFAULT_ANSWERS = {
     "image": "ghcr.io/lab/spot:v1",
     "checkpoint_size_gb": 40.0,
     "parallelism": "ddp",
+    "memory_tier": True,
+    "trackers": True,
+    "straggler_detection": True,
+    "multi_node_drill": False,   # with 2 nodes its default is true
 }
 
 
@@ -229,7 +233,7 @@ def test_update_keeps_the_users_task_while_the_harness_changes(tmp_path):
 
     harness = template / "template/src/{{package_name}}"
     for name, line in (("loop/trainer.py", "# Harness change in 1.1: the loop.\n"),
-                       ("checkpoint/save/manager.py", "# Harness change in 1.1: the manager.\n"),
+                       ("checkpoint/save/pipeline.py", "# Harness change in 1.1: the manager.\n"),
                        ("task.py", "# The default task changed in 1.1.\n")):
         path = harness / name
         path.write_text(path.read_text() + "\n" + line)
@@ -239,7 +243,7 @@ def test_update_keeps_the_users_task_while_the_harness_changes(tmp_path):
     run_update(str(project), defaults=True, overwrite=True, quiet=True, unsafe=False)
 
     assert "Harness change in 1.1: the loop." in (src / "loop/trainer.py").read_text()
-    assert "Harness change in 1.1: the manager." in (src / "checkpoint/save/manager.py").read_text()
+    assert "Harness change in 1.1: the manager." in (src / "checkpoint/save/pipeline.py").read_text()
     assert task.read_text() == users_task          # the user's file, never overwritten
     assert "nn.SiLU()" in tiny.read_text() and "d_model: 48" in config.read_text()
     for path in project.rglob("*"):

@@ -17,20 +17,14 @@ from __future__ import annotations
 
 import atexit
 import importlib
-import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -294,116 +288,6 @@ def gone(pid: int) -> bool:
     except OSError:
         return True
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
-
-
-# ----------------------------------------------------- fake metadata service --
-
-class FakeMetadata:
-    """A local stand-in for the AWS, GCP and Azure instance metadata services.
-
-    It answers "no notice" until ``notice`` is set, then the notice. Like the real
-    services it refuses requests without their required headers (AWS IMDSv2: 400 for a
-    token request without a TTL, 401 without a valid token; GCP: 403 without
-    ``Metadata-Flavor: Google``; Azure: 400 without ``Metadata: true``), and it records
-    every refusal in ``refused``.
-    """
-
-    VM_NAME = "vm-under-test"
-
-    def __init__(self) -> None:
-        self.notice = threading.Event()
-        self.azure_resources = [self.VM_NAME]   # which VMs an Azure Preempt event names
-        self.refused: list[str] = []
-        self.requests: list[str] = []
-        self.tokens: set[str] = set()
-        self._lock = threading.Lock()
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *_args) -> None:  # keep test output clean
-                pass
-
-            def do_PUT(self) -> None:
-                fake._serve(self, "PUT")
-
-            def do_GET(self) -> None:
-                fake._serve(self, "GET")
-
-        # Loopback only: tests never reach any other address.
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
-                                        daemon=True)  # a short poll: quick shutdown
-
-    def _serve(self, handler: BaseHTTPRequestHandler, method: str) -> None:
-        url = urlsplit(handler.path)
-        query = parse_qs(url.query)
-        headers = handler.headers
-        with self._lock:
-            self.requests.append(f"{method} {handler.path}")
-        status, body = 404, b""
-        if method == "PUT" and url.path == "/latest/api/token":
-            if not headers.get("X-aws-ec2-metadata-token-ttl-seconds", "").isdigit():
-                status = 400
-            else:
-                token = uuid.uuid4().hex
-                self.tokens.add(token)
-                status, body = 200, token.encode()
-        elif method == "GET" and url.path == "/latest/meta-data/spot/instance-action":
-            if headers.get("X-aws-ec2-metadata-token") not in self.tokens:
-                status = 401
-            elif self.notice.is_set():
-                status, body = 200, json.dumps(
-                    {"action": "terminate", "time": "2026-11-29T10:00:00Z"}).encode()
-        elif method == "GET" and url.path == "/computeMetadata/v1/instance/preempted":
-            if headers.get("Metadata-Flavor") != "Google":
-                status = 403
-            else:
-                status, body = 200, b"TRUE" if self.notice.is_set() else b"FALSE"
-        elif method == "GET" and url.path.startswith("/metadata/"):
-            if headers.get("Metadata") != "true" or "api-version" not in query:
-                status = 400
-            elif url.path == "/metadata/scheduledevents":
-                events = [{"EventId": "A1", "EventType": "Preempt", "ResourceType": "VirtualMachine",
-                           "Resources": self.azure_resources, "EventStatus": "Scheduled",
-                           "NotBefore": "Sun, 29 Nov 2026 10:00:30 GMT", "Description": "",
-                           "EventSource": "Platform", "DurationInSeconds": -1}]
-                status, body = 200, json.dumps({"DocumentIncarnation": 1, "Events":
-                                                events if self.notice.is_set() else []}).encode()
-            elif url.path == "/metadata/instance/compute/name":
-                status, body = 200, self.VM_NAME.encode()
-        if status in (400, 401, 403):
-            with self._lock:
-                self.refused.append(f"{method} {handler.path} -> {status}")
-        handler.send_response(status)
-        handler.send_header("Content-Length", str(len(body)))
-        handler.end_headers()
-        handler.wfile.write(body)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def metadata_service():
-    """A fake cloud metadata service on 127.0.0.1 (see FakeMetadata)."""
-    fake = FakeMetadata()
-    fake.start()
-    yield fake
-    fake.close()
-
-
-@pytest.fixture
-def closed_port_url() -> str:
-    """An http:// address on 127.0.0.1 where nothing listens (connections are refused)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 # ------------------------------------------------------------------ slow tests --

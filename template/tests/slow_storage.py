@@ -67,36 +67,36 @@ def main() -> None:
                               f"log.dir={root / 'logs'}"])
     distributed = _module("runtime.distributed")
     runtime = distributed.setup(cfg.distributed.backend)
-    manager = _module("checkpoint.save.manager").CheckpointManager(
+    pipeline = _module("checkpoint.save.pipeline").SavePipeline(
         slow_storage(root / "ckpt", delay_s), mode=config.AsyncMode(mode), keep_last=5,
         is_coordinator=True, device=runtime.device)
-    manager.prepare()
+    pipeline.prepare()
     # The project's trainer and checkpointer, saving through the slow storage.
     metrics = _module("runtime.metrics").MetricsLog(None)
     watch = _module("preemption.watch").PreemptionWatch(cfg.preemption.signals)
     stop = _module("preemption.stop").StopCoordinator(watch, runtime, 30.0)
-    checkpointer = _module("checkpoint").Checkpointer(cfg, runtime, metrics, stop, manager,
+    checkpointer = _module("checkpoint").Checkpointer(cfg, runtime, metrics, stop, pipeline,
                                                       None, None, None)
     trainer = _module("loop.trainer").Trainer(cfg, _module("loop.task_contract").load_task(),
                                               runtime, checkpointer, metrics)
     trainer.resume()
     batches = trainer.micro_batches()
-    checkpointer.save(0)                   # the start: the checkpoint process
+    checkpointer.at_step_end(0)                   # the start: the checkpoint process
     trainer.train_step(batches)            # the optimizer has state now
     state = trainer.state()
-    failure = (manager.warm_up(state, 120, str(root / "checkpoint-process.log"))
-               or manager.wait_ready())
+    failure = (pipeline.warm_up(state, 120, str(root / "checkpoint-process.log"))
+               or pipeline.wait_ready())
     assert failure is None, failure
 
     # One save: how long the call and the staging take, whether it is committed yet.
     began = time.perf_counter()
-    manager.save(1, state, "interval", {"world_size": 1})
+    pipeline.save(1, state, "interval", {"world_size": 1})
     call_s = time.perf_counter() - began
-    manager.wait_staged()
+    pipeline.wait_staged()
     blocking_s = time.perf_counter() - began
-    committed_at_return = manager.poll() is not None or manager.newest() is not None
-    result = manager.wait()
-    newest = manager.newest()
+    committed_at_return = pipeline.poll() is not None or pipeline.newest() is not None
+    result = pipeline.wait()
+    newest = pipeline.newest()
     save = {"call_s": call_s, "blocking_s": blocking_s,
             "committed_at_return": committed_at_return,
             "commit_latency_s": result.commit_latency_s if result else None,
@@ -108,7 +108,7 @@ def main() -> None:
     steps = bench_loop.run_steps(bench_loop.Bench(trainer, checkpointer, batches),
                                  SAVE_STEP - 8, 40)
     checkpointer.policy.finish(stop)
-    last = manager.last_committed
+    last = pipeline.last_committed
     train = {"steps": steps, "committed_step": last.step if last else None,
              "commit_latency_s": last.commit_latency_s if last else None}
     distributed.teardown()

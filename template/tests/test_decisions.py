@@ -1,7 +1,7 @@
 """The checkpoint decisions in-process, with fakes: when to save, when to stop, who writes.
 
 No process group, no subprocess: the save policy and the checkpointer run against a fake
-checkpoint manager and a fake step boundary (the collectives decide locally when
+checkpoint pipeline and a fake step boundary (the collectives decide locally when
 torch.distributed is not initialized); the stop vote runs over a real PreemptionWatch;
 the lease over a real local directory.
 """
@@ -21,7 +21,7 @@ from conftest import ROOT, project_module
 policy_mod = project_module("checkpoint.policy")
 checkpointer_mod = project_module("checkpoint.checkpointer")
 lease_mod = project_module("checkpoint.store.lease")
-SaveResult = project_module("checkpoint.save.manager").SaveResult
+SaveResult = project_module("checkpoint.save.pipeline").SaveResult
 Committed = project_module("checkpoint.store.layout").Committed
 Progress = project_module("checkpoint.state").Progress
 metrics_mod = project_module("runtime.metrics")
@@ -34,8 +34,8 @@ GRACE = 30.0
 
 
 # ------------------------------------------------------------------ fakes --
-class FakeManager:
-    """A CheckpointManager that writes nothing: an asynchronous save is in flight until the
+class FakePipeline:
+    """A SavePipeline that writes nothing: an asynchronous save is in flight until the
     next poll/wait, which commits it at once (``slow``: the next wait); a blocking save commits at once. The next
     ``failures`` saves fail: a blocking one raises, an asynchronous one fails in the
     background (recorded at the next poll/wait), as DCP's do."""
@@ -61,12 +61,18 @@ class FakeManager:
         self.abandoned = False
         self.closed = False
         self.slow = False   # a save in flight is still being written: only wait() ends it
+        self.stuck = False  # ...and wait() too times out (storage slow or away)
+        self.age = 0.0      # seconds the save in flight has been in flight
         self.outage = False  # failures are unreachable storage, not a broken process
         self.broken_save = False
 
     @property
     def in_flight(self) -> bool:
         return self.in_flight_step is not None
+
+    @property
+    def in_flight_s(self) -> float:
+        return self.age if self.in_flight else 0.0
 
     def warm_up(self, state, timeout_s, process_log=None):
         self.warmed += 1
@@ -107,6 +113,9 @@ class FakeManager:
         return None if self.slow else self._settle()
 
     def wait(self, timeout=None):
+        if self.stuck:
+            time.sleep(min(timeout or 0.0, 0.01))
+            raise TimeoutError
         return self._settle()
 
     def wait_staged(self) -> None:
@@ -208,54 +217,87 @@ def said(metrics) -> str:
     return metrics.stream.getvalue()
 
 
-def make_policy(manager, metrics, *, interval: int = 4, final: int = 10,
+def make_policy(pipeline, metrics, *, interval: int = 4, final: int = 10,
                 max_failed: int = 3, allowance=contextlib.nullcontext):
     return policy_mod.SavePolicy(
-        manager, interval_steps=interval, final_step=final,
+        pipeline, interval_steps=interval, final_step=final,
         state=lambda: {"progress": Progress()}, record=dict, metrics=metrics,
         wait_timeout_s=5.0, max_failed_in_a_row=max_failed, allowance=allowance)
 
 
 # -------------------------------------------------------- (a) the save policy --
 def test_saves_are_due_every_interval_and_at_the_final_step(metrics):
-    manager, boundary = FakeManager(), FakeBoundary()
-    policy = make_policy(manager, metrics, interval=4, final=10)
+    pipeline, boundary = FakePipeline(), FakeBoundary()
+    policy = make_policy(pipeline, metrics, interval=4, final=10)
     decisions = {step: policy.decide(step, boundary) for step in range(1, 11)}
-    assert manager.saves == [(4, "interval", False), (8, "interval", False), (10, "final", False)]
+    assert pipeline.saves == [(4, "interval", False), (8, "interval", False), (10, "final", False)]
     assert [s for s, d in decisions.items() if d.saved] == [4, 8, 10]
     assert decisions[10].why == "final" and not any(d.stop for d in decisions.values())
     assert boundary.votes == 10                       # every step boundary votes
     assert [e["step"] for e in events(metrics, "save")] == [4, 8]  # 10 still in flight
 
 
+def test_a_due_save_does_not_wait_for_an_overdue_save_and_is_left_to_the_next(metrics):
+    """Storage slow or away: the save in flight is overdue. The due save neither waits
+    for it on the training path nor starts a second one; said once; once the late save
+    is written, the next due step saves. A late save older than wait_timeout_s is given
+    up and the due save starts."""
+    pipeline, boundary = FakePipeline(), FakeBoundary()
+    policy = policy_mod.SavePolicy(
+        pipeline, interval_steps=4, final_step=100, state=lambda: {"progress": Progress()},
+        record=dict, metrics=metrics, wait_timeout_s=60.0, max_failed_in_a_row=3)
+    assert policy.decide(4, boundary).saved                # in flight
+    pipeline.slow = pipeline.stuck = True
+    pipeline.age = policy.overdue_after_s() + 1
+    began = time.perf_counter()
+    decision = policy.decide(8, boundary)
+    assert time.perf_counter() - began < 1.0               # no wait on the training path
+    assert not decision.saved and not decision.stop
+    assert pipeline.saves == [(4, "interval", False)] and pipeline.in_flight_step == 4
+    assert "the save of step 4 is still being written" in said(metrics)
+    assert not policy.decide(12, boundary).saved
+    assert said(metrics).count("still being written") == 1
+    pipeline.slow = pipeline.stuck = False
+    assert policy.decide(16, boundary).saved               # written meanwhile: saves again
+    assert [step for step, _, _ in pipeline.saves] == [4, 16]
+    # Not yet overdue: the due save waits for it, as always.
+    pipeline.age = policy.overdue_after_s() - 1
+    assert policy.decide(20, boundary).saved and [s for s, _, _ in pipeline.saves][-1] == 20
+    # Older than checkpoint.wait_timeout_s: given up, and the due save starts.
+    pipeline.slow = pipeline.stuck = True
+    pipeline.age = 61.0
+    assert policy.decide(24, boundary).saved and pipeline.abandoned
+    assert [s for s, _, _ in pipeline.saves][-1] == 24
+
+
 def test_the_last_step_saves_as_final_before_the_final_step(metrics):
-    manager, boundary = FakeManager(), FakeBoundary()
-    policy = make_policy(manager, metrics, interval=4, final=100)
+    pipeline, boundary = FakePipeline(), FakeBoundary()
+    policy = make_policy(pipeline, metrics, interval=4, final=100)
     assert not policy.decide(6, boundary).saved
     decision = policy.decide(7, boundary, last_step=True)
     assert decision.saved and decision.why == "final"
-    assert manager.saves == [(7, "final", False)]
+    assert pipeline.saves == [(7, "final", False)]
 
 
 def test_no_save_without_a_trained_step(metrics):
-    manager, boundary = FakeManager(), FakeBoundary()
-    policy = make_policy(manager, metrics, interval=4, final=8)
+    pipeline, boundary = FakePipeline(), FakeBoundary()
+    policy = make_policy(pipeline, metrics, interval=4, final=8)
     decision = policy.decide(8, boundary, trained=False, last_step=True)
     assert decision == policy_mod.StepDecision()
-    assert manager.saves == [] and boundary.votes == 1  # it still votes
+    assert pipeline.saves == [] and boundary.votes == 1  # it still votes
 
 
 def test_a_stop_vote_drains_the_save_in_flight_then_saves_at_the_stop(metrics):
-    manager, boundary = FakeManager(), FakeBoundary("SIGTERM")
-    policy = make_policy(manager, metrics, interval=4, final=100)
+    pipeline, boundary = FakePipeline(), FakeBoundary("SIGTERM")
+    policy = make_policy(pipeline, metrics, interval=4, final=100)
     for step in range(1, 5):
         policy.decide(step, boundary)
-    assert manager.in_flight_step == 4
-    manager.slow = True                               # still being written at the stop
+    assert pipeline.in_flight_step == 4
+    pipeline.slow = True                               # still being written at the stop
     boundary.stop_at = time.time()
     decision = policy.decide(5, boundary)
     assert (decision.stop, decision.saved, decision.why) == (True, True, "preempted")
-    assert manager.saves == [(4, "interval", False), (5, "preemption", True)]
+    assert pipeline.saves == [(4, "interval", False), (5, "preemption", True)]
     (stop,) = events(metrics, "preemption")
     assert (stop["source"], stop["stop_step"], stop["drained_step"],
             stop["final_checkpoint_step"], stop["resume_step"]) == ("SIGTERM", 5, 4, 5, 5)
@@ -263,29 +305,29 @@ def test_a_stop_vote_drains_the_save_in_flight_then_saves_at_the_stop(metrics):
 
 
 def test_a_stop_at_a_step_already_committed_saves_nothing_more(metrics):
-    manager, boundary = FakeManager(), FakeBoundary("SIGUSR1")
-    policy = make_policy(manager, metrics)
+    pipeline, boundary = FakePipeline(), FakeBoundary("SIGUSR1")
+    policy = make_policy(pipeline, metrics)
     policy.resumed_from = Committed(6, "step_000000006", "/ckpt/step_000000006",
                                     {"world_size": 1, "write_s": 0.5})
     boundary.stop_at = time.time()
     decision = policy.decide(6, boundary, trained=False)  # the call before the first step
     assert (decision.stop, decision.saved, decision.why) == (True, False, "preempted")
-    assert manager.saves == []
+    assert pipeline.saves == []
     (stop,) = events(metrics, "preemption")
     assert stop["final_save_skipped_reason"] == "checkpoint at step 6 already committed"
     assert stop["resume_step"] == 6 and stop["save_estimate_s"] == 0.5
 
 
 def test_a_stop_skips_the_final_save_when_the_measured_save_exceeds_the_grace_left(metrics):
-    manager, boundary = FakeManager(write_s=2 * GRACE), FakeBoundary("aws-notice", "terminate")
-    policy = make_policy(manager, metrics, interval=4, final=100)
+    pipeline, boundary = FakePipeline(write_s=2 * GRACE), FakeBoundary("aws-notice", "terminate")
+    policy = make_policy(pipeline, metrics, interval=4, final=100)
     for step in range(1, 6):
         policy.decide(step, boundary)
-    assert manager.last_committed.step == 4           # measured: a save takes 2 x the grace
+    assert pipeline.last_committed.step == 4           # measured: a save takes 2 x the grace
     boundary.stop_at = time.time()
     decision = policy.decide(6, boundary)
     assert (decision.stop, decision.saved, decision.why) == (True, False, "preempted")
-    assert [s for s, _, _ in manager.saves] == [4]    # no final save started
+    assert [s for s, _, _ in pipeline.saves] == [4]    # no final save started
     (stop,) = events(metrics, "preemption")
     assert "s of grace left, a save takes about 60.00 s (measured)" in \
         stop["final_save_skipped_reason"]
@@ -294,48 +336,48 @@ def test_a_stop_skips_the_final_save_when_the_measured_save_exceeds_the_grace_le
 
 
 def test_ctrl_c_stops_as_interrupted_not_preempted(metrics):
-    manager, boundary = FakeManager(), FakeBoundary("SIGINT")
-    policy = make_policy(manager, metrics, interval=4, final=100)
+    pipeline, boundary = FakePipeline(), FakeBoundary("SIGINT")
+    policy = make_policy(pipeline, metrics, interval=4, final=100)
     boundary.stop_at = time.time()
     decision = policy.decide(3, boundary)
     assert (decision.stop, decision.saved, decision.why) == (True, True, "interrupted")
-    assert manager.saves == [(3, "preemption", True)]
+    assert pipeline.saves == [(3, "preemption", True)]
     assert "interrupted by the user" in said(metrics)
 
 
 def test_a_failed_save_makes_later_saves_synchronous(metrics):
-    manager, boundary = FakeManager(), FakeBoundary()
-    policy = make_policy(manager, metrics, interval=2, final=100, max_failed=3)
-    manager.failures = 1
+    pipeline, boundary = FakePipeline(), FakeBoundary()
+    policy = make_policy(pipeline, metrics, interval=2, final=100, max_failed=3)
+    pipeline.failures = 1
     assert policy.decide(2, boundary).saved           # fails in the background
     policy.decide(3, boundary)                        # the failure is found
-    assert manager.failed_saves == 1 and not policy.synchronous
+    assert pipeline.failed_saves == 1 and not policy.synchronous
     decision = policy.decide(4, boundary)
     assert decision.saved and not decision.stop
-    assert manager.saves == [(2, "interval", False), (4, "interval", True)]
+    assert pipeline.saves == [(2, "interval", False), (4, "interval", True)]
     (changed,) = events(metrics, "save_mode_changed")
     assert (changed["step"], changed["mode"]) == (4, "sync")
     assert "a background save failed" in changed["reason"]
     policy.decide(6, boundary)
-    assert manager.saves[-1] == (6, "interval", True)  # stays synchronous
+    assert pipeline.saves[-1] == (6, "interval", True)  # stays synchronous
 
 
 def test_a_save_failed_on_unreachable_storage_keeps_saves_in_the_background(metrics):
-    manager, boundary = FakeManager(), FakeBoundary()
-    manager.outage = True
-    policy = make_policy(manager, metrics, interval=2, final=100, max_failed=3)
-    manager.failures = 1
+    pipeline, boundary = FakePipeline(), FakeBoundary()
+    pipeline.outage = True
+    policy = make_policy(pipeline, metrics, interval=2, final=100, max_failed=3)
+    pipeline.failures = 1
     assert policy.decide(2, boundary).saved           # fails in the background
     policy.decide(3, boundary)                        # the failure is found
     assert policy.decide(4, boundary).saved and not policy.synchronous
-    assert manager.saves == [(2, "interval", False), (4, "interval", False)]
+    assert pipeline.saves == [(2, "interval", False), (4, "interval", False)]
     assert not events(metrics, "save_mode_changed")
 
 
 def test_saves_failing_max_times_in_a_row_stop_as_not_saved(metrics):
-    manager, boundary = FakeManager(), FakeBoundary()
-    policy = make_policy(manager, metrics, interval=2, final=100, max_failed=3)
-    manager.failures = 3
+    pipeline, boundary = FakePipeline(), FakeBoundary()
+    policy = make_policy(pipeline, metrics, interval=2, final=100, max_failed=3)
+    pipeline.failures = 3
     decisions = [policy.decide(step, boundary) for step in (2, 4, 6)]
     assert not any(d.stop for d in decisions)
     assert [d.saved for d in decisions] == [True, False, False]  # 4 and 6 raised
@@ -343,27 +385,27 @@ def test_saves_failing_max_times_in_a_row_stop_as_not_saved(metrics):
     assert (decision.stop, decision.saved, decision.why) == (True, False, "not_saved")
     assert decision.detail.startswith("3 save(s) in a row failed, the last: ")
     assert "the save of step 6 failed: No space left on device" in decision.detail
-    assert [s for s, _, _ in manager.saves] == [2, 4, 6]  # nothing started at 8
+    assert [s for s, _, _ in pipeline.saves] == [2, 4, 6]  # nothing started at 8
 
 
 def test_a_successful_save_resets_the_failures_in_a_row(metrics):
-    manager, boundary = FakeManager(), FakeBoundary()
-    policy = make_policy(manager, metrics, interval=2, final=100, max_failed=3)
-    manager.failures = 2
+    pipeline, boundary = FakePipeline(), FakeBoundary()
+    policy = make_policy(pipeline, metrics, interval=2, final=100, max_failed=3)
+    pipeline.failures = 2
     for step in (2, 4, 6):                  # 2 and 4 fail, 6 commits
         assert not policy.decide(step, boundary).stop
-    assert manager.last_committed.step == 6 and policy.failed_in_a_row == 2
+    assert pipeline.last_committed.step == 6 and policy.failed_in_a_row == 2
     assert not policy.decide(8, boundary).stop  # no new failure: the count starts again
     assert policy.failed_in_a_row == 0
-    manager.failures = 2                      # two more: not three in a row
+    pipeline.failures = 2                      # two more: not three in a row
     for step in (10, 12, 14):
         assert not policy.decide(step, boundary).stop, step
-    assert policy.failed_in_a_row == 2 and manager.failed_saves == 4
+    assert policy.failed_in_a_row == 2 and pipeline.failed_saves == 4
 
 
 # ----------------------------------------------------- (b) the checkpointer --
 def make_checkpointer(tmp_path, *, newest_step=None, overrides=(), allow=None,
-                      manager=None, boundary=None):
+                      pipeline=None, boundary=None):
     cfg = project_module("config").load_config(
         ROOT / "configs/train.yaml",
         ["checkpoint.interval_steps=4", "train.max_steps=10", f"log.dir={tmp_path / 'logs'}",
@@ -371,7 +413,7 @@ def make_checkpointer(tmp_path, *, newest_step=None, overrides=(), allow=None,
     runtime = distributed.Runtime(0, 1, 0, torch.device("cpu"), "gloo")
     return checkpointer_mod.Checkpointer(
         cfg, runtime, metrics_mod.MetricsLog(None), boundary or FakeBoundary(),
-        manager or FakeManager(), None, newest_step, allow)
+        pipeline or FakePipeline(), None, newest_step, allow)
 
 
 @pytest.fixture
@@ -387,44 +429,44 @@ def test_first_start_is_whether_a_checkpoint_was_committed(tmp_path):
 def test_saving_before_load_is_refused(tmp_path):
     checkpointer = make_checkpointer(tmp_path)
     with pytest.raises(RuntimeError, match="load must come before the first step"):
-        checkpointer.save(1)
+        checkpointer.at_step_end(1)
 
 
 def test_the_call_at_the_start_step_only_votes(tmp_path, nothing_to_resume):
-    manager, boundary, allow = FakeManager(), FakeBoundary(), Allowance()
-    checkpointer = make_checkpointer(tmp_path, manager=manager, boundary=boundary, allow=allow)
+    pipeline, boundary, allow = FakePipeline(), FakeBoundary(), Allowance()
+    checkpointer = make_checkpointer(tmp_path, pipeline=pipeline, boundary=boundary, allow=allow)
     assert checkpointer.load(FakeTraining(step=8)) is None
-    decision = checkpointer.save(8)          # a due step, but nothing trained yet
+    decision = checkpointer.at_step_end(8)          # a due step, but nothing trained yet
     assert not decision.saved and not decision.stop
-    assert manager.saves == [] and boundary.votes == 1 and manager.warmed == 1
+    assert pipeline.saves == [] and boundary.votes == 1 and pipeline.warmed == 1
     # Only the warm-up's own bound (the checkpoint process's start), no save's.
     assert allow.entered == [checkpointer.cfg.checkpoint.start_timeout_s]
     assert decision.newest == "no save yet"
-    checkpointer.save(9)
-    assert manager.prestaged == 1 and manager.warmed == 1  # warmed once; staged when trained
+    checkpointer.at_step_end(9)
+    assert pipeline.prestaged == 1 and pipeline.warmed == 1  # warmed once; staged when trained
 
 
 def test_the_last_step_saves_as_final_and_close_says_finished(tmp_path, nothing_to_resume):
-    manager, boundary = FakeManager(), FakeBoundary()
-    checkpointer = make_checkpointer(tmp_path, manager=manager, boundary=boundary)
+    pipeline, boundary = FakePipeline(), FakeBoundary()
+    checkpointer = make_checkpointer(tmp_path, pipeline=pipeline, boundary=boundary)
     checkpointer.load(FakeTraining())
     for step in range(6):
-        checkpointer.save(step)
-    decision = checkpointer.save(6, last_step=True)
+        checkpointer.at_step_end(step)
+    decision = checkpointer.at_step_end(6, last_step=True)
     assert decision.saved and decision.why == "final"
-    assert manager.saves == [(4, "interval", False), (6, "final", False)]
+    assert pipeline.saves == [(4, "interval", False), (6, "final", False)]
     outcome = checkpointer.close(6, decision)
-    assert manager.closed and outcome.why == "finished" and outcome.saved
+    assert pipeline.closed and outcome.why == "finished" and outcome.saved
 
 
 def test_close_says_not_saved_when_the_final_save_did_not_commit(tmp_path, nothing_to_resume):
-    manager, boundary = FakeManager(), FakeBoundary()
-    checkpointer = make_checkpointer(tmp_path, manager=manager, boundary=boundary)
+    pipeline, boundary = FakePipeline(), FakeBoundary()
+    checkpointer = make_checkpointer(tmp_path, pipeline=pipeline, boundary=boundary)
     checkpointer.load(FakeTraining())
     for step in range(10):
-        checkpointer.save(step)
-    manager.failures = 1
-    decision = checkpointer.save(10, last_step=True)   # fails in the background
+        checkpointer.at_step_end(step)
+    pipeline.failures = 1
+    decision = checkpointer.at_step_end(10, last_step=True)   # fails in the background
     outcome = checkpointer.close(10, decision)
     assert outcome.why == "not_saved" and not outcome.stop
     assert "the final checkpoint of step 10 did not commit" in outcome.detail
@@ -433,43 +475,43 @@ def test_close_says_not_saved_when_the_final_save_did_not_commit(tmp_path, nothi
 
 
 def test_the_watchdog_allowance_covers_saves_and_stops_only(tmp_path, nothing_to_resume):
-    manager, boundary, allow = FakeManager(), FakeBoundary(), Allowance()
-    checkpointer = make_checkpointer(tmp_path, manager=manager, boundary=boundary, allow=allow)
+    pipeline, boundary, allow = FakePipeline(), FakeBoundary(), Allowance()
+    checkpointer = make_checkpointer(tmp_path, pipeline=pipeline, boundary=boundary, allow=allow)
     cfg = checkpointer.cfg
     checkpointer.load(FakeTraining())
-    checkpointer.save(0)                                # the start: the warm-up's bound
+    checkpointer.at_step_end(0)                                # the start: the warm-up's bound
     assert allow.entered == [cfg.checkpoint.start_timeout_s]
     allow.entered.clear()
     for step in (1, 2, 3):
-        checkpointer.save(step)
+        checkpointer.at_step_end(step)
     assert allow.entered == []                          # plain steps: the usual bound
-    checkpointer.save(4)
+    checkpointer.at_step_end(4)
     assert len(allow.entered) >= 1                      # around the due save
     # Before any measured save: the first-step bound stands for the save's own time.
     assert allow.entered[0] == pytest.approx(cfg.checkpoint.wait_timeout_s
                                              + cfg.recovery.first_step_timeout_s)
     before = len(allow.entered)
-    checkpointer.save(5)
+    checkpointer.at_step_end(5)
     assert len(allow.entered) == before                 # plain again
     boundary.stop_at = time.time()
-    decision = checkpointer.save(6)
+    decision = checkpointer.at_step_end(6)
     assert decision.stop and decision.why == "preempted"
     assert len(allow.entered) > before                  # around the stop
     # Measured now: four times the newest write replaces the first-step bound; a stop
     # gets the grace period instead of the wait for the save in flight.
-    assert allow.entered[-1] == pytest.approx(GRACE + 4 * manager.write_s)
+    assert allow.entered[-1] == pytest.approx(GRACE + 4 * pipeline.write_s)
 
 
 def test_close_after_failing_saves_names_the_newest_committed_step(tmp_path, nothing_to_resume):
-    manager, boundary = FakeManager(), FakeBoundary()
-    checkpointer = make_checkpointer(tmp_path, manager=manager, boundary=boundary,
+    pipeline, boundary = FakePipeline(), FakeBoundary()
+    checkpointer = make_checkpointer(tmp_path, pipeline=pipeline, boundary=boundary,
                                      overrides=["checkpoint.on_error=stop", "train.max_steps=100"])
     checkpointer.load(FakeTraining())
     for step in range(9):
-        checkpointer.save(step)
-    manager.failures = 1
-    checkpointer.save(12)                       # fails in the background
-    decision = checkpointer.save(16)            # on_error: stop — one failure is enough
+        checkpointer.at_step_end(step)
+    pipeline.failures = 1
+    checkpointer.at_step_end(12)                       # fails in the background
+    decision = checkpointer.at_step_end(16)            # on_error: stop — one failure is enough
     assert (decision.stop, decision.why) == (True, "not_saved")
     outcome = checkpointer.close(16, decision)
     assert outcome.why == "not_saved"
@@ -631,26 +673,26 @@ def test_the_checkpoint_process_is_waited_for_by_the_first_save_not_by_a_stop(
         tmp_path, nothing_to_resume):
     """It starts while the first steps train; the first due save waits for it. A stop
     saves synchronously without it, and the end leaves a start still under way behind."""
-    manager, boundary = FakeManager(), FakeBoundary()
-    checkpointer = make_checkpointer(tmp_path, manager=manager, boundary=boundary)
+    pipeline, boundary = FakePipeline(), FakeBoundary()
+    checkpointer = make_checkpointer(tmp_path, pipeline=pipeline, boundary=boundary)
     checkpointer.load(FakeTraining())
-    checkpointer.save(0)
-    assert manager.warmed == 1 and manager.readied == 0       # started, not waited for
+    checkpointer.at_step_end(0)
+    assert pipeline.warmed == 1 and pipeline.readied == 0       # started, not waited for
     for step in (1, 2, 3):
-        checkpointer.save(step)
-    assert manager.readied == 0 and manager.saves == []
-    checkpointer.save(4)                                       # due: waits, then saves
-    assert manager.readied == 1 and manager.saves == [(4, "interval", False)]
-    checkpointer.save(5)
-    assert manager.readied == 1                                # once
+        checkpointer.at_step_end(step)
+    assert pipeline.readied == 0 and pipeline.saves == []
+    checkpointer.at_step_end(4)                                       # due: waits, then saves
+    assert pipeline.readied == 1 and pipeline.saves == [(4, "interval", False)]
+    checkpointer.at_step_end(5)
+    assert pipeline.readied == 1                                # once
 
-    manager, boundary = FakeManager(), FakeBoundary()
-    checkpointer = make_checkpointer(tmp_path, manager=manager, boundary=boundary)
+    pipeline, boundary = FakePipeline(), FakeBoundary()
+    checkpointer = make_checkpointer(tmp_path, pipeline=pipeline, boundary=boundary)
     checkpointer.load(FakeTraining())
-    checkpointer.save(0)
+    checkpointer.at_step_end(0)
     boundary.stop_at = time.time()
-    decision = checkpointer.save(1)                            # a stop before any save
-    assert decision.stop and manager.readied == 0
-    assert manager.saves == [(1, "preemption", True)]          # synchronous, no process
+    decision = checkpointer.at_step_end(1)                            # a stop before any save
+    assert decision.stop and pipeline.readied == 0
+    assert pipeline.saves == [(1, "preemption", True)]          # synchronous, no process
     checkpointer.close(1, decision)
-    assert manager.readied == 0 and getattr(manager, "gave_up_start", False)
+    assert pipeline.readied == 0 and getattr(pipeline, "gave_up_start", False)

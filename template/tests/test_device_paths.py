@@ -43,14 +43,14 @@ def test_async_saves_tell_the_writer_the_state_is_on_the_host(tmp_path):
             writers.append(super().writer(name))
             return writers[-1]
 
-    manager = project_module("checkpoint.save.manager").CheckpointManager(
+    pipeline = project_module("checkpoint.save.pipeline").SavePipeline(
         Recording(tmp_path / "ckpt"), mode="thread", keep_last=2, is_coordinator=True,
         device=torch.device("cpu"))
-    manager.prepare()
-    manager.save(1, {"w": torch.ones(64)}, "interval", {"world_size": 1})
-    manager.wait_staged()
-    assert manager.wait() is not None, manager.last_error
-    manager.close()
+    pipeline.prepare()
+    pipeline.save(1, {"w": torch.ones(64)}, "interval", {"world_size": 1})
+    pipeline.wait_staged()
+    assert pipeline.wait() is not None, pipeline.last_error
+    pipeline.close()
     assert [w.per_thread_copy_ahead for w in writers] == [0]
 
 

@@ -13,7 +13,7 @@ import socket
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_decisions import FakeBoundary, FakeManager, FakeTraining, make_checkpointer
+from test_decisions import FakeBoundary, FakePipeline, FakeTraining, make_checkpointer
 
 from conftest import ROOT, project_module
 
@@ -98,43 +98,43 @@ def metrics(tmp_path):
 
 
 def policy_on(clock: Clock, metrics, *, max_failed_s: float = 300.0):
-    manager = FakeManager()
-    manager.outage = True                     # failures are an unreachable store
+    pipeline = FakePipeline()
+    pipeline.outage = True                     # failures are an unreachable store
     policy = policy_mod.SavePolicy(
-        manager, interval_steps=1, final_step=10_000, state=lambda: {"progress": Progress()},
+        pipeline, interval_steps=1, final_step=10_000, state=lambda: {"progress": Progress()},
         record=dict, metrics=metrics, wait_timeout_s=5.0, max_failed_in_a_row=3,
         max_failed_s=max_failed_s, clock=clock)
-    return policy, manager
+    return policy, pipeline
 
 
 def test_an_outage_shorter_than_the_time_budget_costs_no_stop_at_a_short_interval(metrics):
     """A save every step (1 s) and the store away for 60 s: 60 saves fail in a row, far
     past checkpoint.max_failed_saves, and training goes on and commits again after."""
     clock = Clock()
-    policy, manager = policy_on(clock, metrics)
+    policy, pipeline = policy_on(clock, metrics)
     boundary = FakeBoundary()
     policy.decide(1, boundary)
     policy.decide(2, boundary)                # step 1 committed
-    manager.failures = 60
+    pipeline.failures = 60
     decisions = []
     for step in range(3, 70):
         clock.now += 1.0
         decisions.append(policy.decide(step, boundary))
     assert not any(d.stop for d in decisions)
-    assert manager.failed_saves == 60 and manager.last_committed.step > 62
+    assert pipeline.failed_saves == 60 and pipeline.last_committed.step > 62
     assert policy.failed_in_a_row == 0        # it committed again: the row is over
     assert "training goes on until 300 s without a commit" in metrics.stream.getvalue()
 
 
 def test_a_storage_that_stays_broken_stops_once_the_time_without_a_commit_is_spent(metrics):
     clock = Clock()
-    policy, manager = policy_on(clock, metrics, max_failed_s=30.0)
+    policy, pipeline = policy_on(clock, metrics, max_failed_s=30.0)
     boundary = FakeBoundary()
     policy.decide(1, boundary)
     clock.now += 100.0                        # the time counts from the commit, not the start
     policy.decide(2, boundary)                # step 1 commits (found at step 2)
     committed_at = clock.now
-    manager.failures = 10**9
+    pipeline.failures = 10**9
     for step in range(3, 1000):
         clock.now += 2.0                      # a step and its failing save take 2 s
         decision = policy.decide(step, boundary)
@@ -143,7 +143,7 @@ def test_a_storage_that_stays_broken_stops_once_the_time_without_a_commit_is_spe
     assert (decision.stop, decision.why) == (True, "not_saved")
     assert 30.0 <= clock.now - committed_at <= 30.0 + 2.0   # within one interval of the budget
     assert decision.detail.startswith("15 save(s) in a row failed and none committed for 30 s")
-    assert manager.saves[-1][0] == step - 1   # nothing started at the stop
+    assert pipeline.saves[-1][0] == step - 1   # nothing started at the stop
 
 
 def test_the_configuration_feeds_the_budget_and_on_error_stop_keeps_the_first_failure(
@@ -188,8 +188,8 @@ def test_every_rank_decides_by_rank_0s_clock():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    with mp.get_context("spawn").Manager() as manager:
-        results = manager.dict()
+    with mp.get_context("spawn").Manager() as shared:
+        results = shared.dict()
         mp.start_processes(_decide_on_two_ranks, args=(port, results), nprocs=2,
                            start_method="spawn")
         assert dict(results) == {0: (False, 10.0), 1: (False, 10.0)}

@@ -4,8 +4,8 @@ meeting through torchrun's c10d rendezvous on the loopback address (node 0 hosts
 A preemption notice that reaches one node stops both at the same step with one final
 checkpoint; a node lost without a word (its whole process tree SIGKILLed) makes the
 other stop by itself within recovery.rendezvous_timeout_s and exit 74, and the run
-resumes on one node (the drill: tests/test_node_loss.py). The quick tests check how
-``resume`` reads a node loss.
+resumes on one node (the drill: tests/test_node_loss.py, rendered with multi_node_drill).
+The quick tests check how ``resume`` reads a node loss.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ overrides = overrides_for(*SMALL)
 
 
 def start_nodes(tmp_path: Path, dirs: dict[str, str], *extra: str) -> list:
-    nodes = project_module("tools.drill_nodes").Nodes.plan(2, 2)
+    nodes = project_module("tools.local_nodes").Nodes.plan(2, 2)
     return [start("resume", *nodes.command(node, [], overrides(dirs, *extra))[3:],
                   log_file=tmp_path / f"node{node}.log") for node in range(2)]
 
@@ -84,7 +84,7 @@ def test_a_replacement_node_rejoins_and_training_continues_in_place(tmp_path):
     dirs = {"ckpt": str(tmp_path / "ckpt"), "logs": str(tmp_path / "logs")}
     args = overrides(dirs, "train.max_steps=40", "checkpoint.interval_steps=10",
                      "recovery.rendezvous_timeout_s=60")
-    nodes = project_module("tools.drill_nodes").Nodes.plan(2, 2)
+    nodes = project_module("tools.local_nodes").Nodes.plan(2, 2)
 
     def node(index: int, log: str):
         return start("resume", *nodes.command(index, [], args)[3:], log_file=tmp_path / log)
@@ -177,18 +177,3 @@ def test_a_lease_of_an_earlier_run_of_the_same_job_is_taken_over(tmp_path, monke
     assert lease_mod.Lease(storage, stale_s=1, wait_s=0).release_for_ended_job("4242") is None
     assert lease_mod.Lease(storage, stale_s=1, wait_s=0).release_for_ended_job("777")
     assert lease_mod.Lease(storage, stale_s=1, wait_s=0).owner() is None
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--save-ranks", "4", "--save-nodes", "3", "--resume-ranks", "1"], "split evenly"),
-    (["--save-ranks", "2", "--kill", "node", "--resume-ranks", "1"], "--save-nodes 2 or more"),
-    (["--save-ranks", "2", "--save-nodes", "2", "--kill", "node", "--lost-node", "2",
-      "--resume-ranks", "1"], "--lost-node must be 0 to 1 or rank0"),
-    (["--save-ranks", "2", "--lost-node", "0", "--resume-ranks", "1"], "needs --kill node"),
-])
-def test_drill_refuses_bad_node_arguments(tmp_path, capsys, args, message):
-    code = project_module("tools.drill").main(["--config", CONFIG, "--out",
-                                               str(tmp_path / "out"), *args])
-    assert code == 2 and message in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
-

@@ -669,11 +669,16 @@ def test_plan_prints_the_two_tiers(run_plan, model, tmp_path):
                    f"{100 * two.badput_with:.2f} %", "2 + 2 shards", "two slots each",
                    f"checkpoint.memory_interval_steps: {two.optimal_memory_interval_steps}"):
         assert needed in text, needed
-    # The configured memory interval: from the config (with its durable interval) or the flag.
+    # The configured memory interval: from the config (with its durable interval) or the
+    # flag (a project without the memory tier refuses the key: config/parts.py).
+    parts = project_module("config.parts")
+    rendered = parts.rendered(parts.MEMORY_TIER)
     config = tmp_path / "train.yaml"
-    config.write_text("checkpoint:\n  interval_steps: 400\n  memory_interval_steps: 50\n"
+    config.write_text("checkpoint:\n  interval_steps: 400\n"
+                      + ("  memory_interval_steps: 50\n" if rendered else "")
                       + PLAN_SECTION + "  node_loss_share: 0.3\n")
-    code, out, err = run_plan("--config", str(config), "--json")
+    memory = [] if rendered else ["--memory-interval-steps", "50"]
+    code, out, err = run_plan("--config", str(config), *memory, "--json")
     assert code == 0, err
     got = json.loads(out)["two_tier"]
     i = model.Inputs(*DEFAULTS, node_loss_share=0.3)
@@ -681,7 +686,7 @@ def test_plan_prints_the_two_tiers(run_plan, model, tmp_path):
         == (50, 400)
     assert got["configured_badput_percent"] == pytest.approx(
         100 * reference_b2(i, 400 * 2.0, 50 * 2.0), rel=1e-12)
-    _, text, _ = run_plan("--config", str(config))
+    _, text, _ = run_plan("--config", str(config), *memory)
     assert "at the configured memory interval, 50 steps (durable every 400 steps)" in text
     _, out, _ = run_plan("--config", str(config), "--memory-interval-steps", "0", "--json")
     assert json.loads(out)["two_tier"]["configured_badput_percent"] is None

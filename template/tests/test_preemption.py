@@ -10,15 +10,11 @@ checkpoint process included.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import re
 import signal
-import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -151,100 +147,23 @@ def test_torchrun_command_forwards_preemption_signals_and_outwaits_the_grace():
     assert timeout > 45.5
 
 
-@pytest.mark.parametrize("cloud", sorted(NOTICE_SOURCE))
-def test_notice_checker_reads_each_metadata_service(preemption, metadata_service, cloud):
-    checker = preemption.CHECKERS[preemption.NoticeSource(cloud)](metadata_service.url)
-    assert checker.check() is None
-    assert checker.check() is None
-    metadata_service.notice.set()
-    detail = checker.check()
-    assert detail and checker.source == NOTICE_SOURCE[cloud]
-    assert metadata_service.refused == []  # every request carried what the service requires
-
-
-@pytest.mark.parametrize("path", ["/latest/meta-data/spot/instance-action",
-                                  "/computeMetadata/v1/instance/preempted",
-                                  "/metadata/scheduledevents?api-version=2020-07-01"])
-def test_fake_service_refuses_requests_without_the_required_headers(metadata_service, path):
-    # Without this, the checker tests above could pass with headers that were never sent.
-    metadata_service.notice.set()
-    with pytest.raises(urllib.error.HTTPError) as info:
-        urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
-            metadata_service.url + path, timeout=2)
-    assert info.value.code in (400, 401, 403)
-    assert len(metadata_service.refused) == 1
-
-
-def test_aws_token_is_reused_and_renewed_when_rejected(preemption, metadata_service):
-    checker = preemption.AwsNotice(metadata_service.url)
-    for _ in range(3):
-        assert checker.check() is None
-    tokens = [r for r in metadata_service.requests if r.startswith("PUT")]
-    assert len(tokens) == 1
-    metadata_service.tokens.clear()  # the service forgets it (expiry, restart)
-    assert checker.check() is None
-    assert len([r for r in metadata_service.requests if r.startswith("PUT")]) == 2
-
-
-def test_azure_preempt_event_for_another_vm_is_not_ours(preemption, metadata_service):
-    checker = preemption.AzureNotice(metadata_service.url)
-    metadata_service.azure_resources = ["some-other-vm"]
-    metadata_service.notice.set()
-    assert checker.check() is None
-    metadata_service.azure_resources = ["some-other-vm", metadata_service.VM_NAME]
-    assert checker.check().startswith("Preempt")
-
-
-def test_poller_logs_an_unreachable_service_once_and_stops_on_request(
-        preemption, closed_port_url, caplog):
-    watch = preemption.PreemptionWatch([])
-    poller = preemption.NoticePoller(preemption.GcpNotice(closed_port_url), watch, 0.01)
-    with caplog.at_level(logging.INFO, logger=preemption.__name__):
-        poller.start()
-        deadline = time.monotonic() + 10
-        while poller.failures < 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        poller.stop()
-    assert poller.failures >= 5 and watch.requested is None
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "cannot read preemption notices" in warnings[0].message
-    assert not any(t.name.endswith("-poller") and t.is_alive() for t in threading.enumerate())
-
-
-def test_poller_is_started_on_local_rank_zero_only(preemption, metadata_service):
-    config = project_module("config").load_config(
-        ROOT / "configs/train.yaml", ["preemption.notice_source=gcp",
-                                      f"preemption.metadata_url={metadata_service.url}"])
-    watch = preemption.PreemptionWatch([])
-    metadata_service.notice.set()  # the first poll, at start, sees it
-    assert preemption.start_notice_poller(config.preemption, watch, local_rank=1) is None
-    poller = preemption.start_notice_poller(config.preemption, watch, local_rank=0)
-    try:
-        deadline = time.monotonic() + 10
-        while watch.requested is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        poller.stop()
-    assert watch.requested.source == "gcp-notice"
-
-
 def test_drain_gives_up_at_the_deadline_and_never_commits_what_it_gave_up(tmp_path):
-    manager_module = project_module("checkpoint.save.manager")
+    pipeline_module = project_module("checkpoint.save.pipeline")
     storage = project_module("checkpoint").open_storage(str(tmp_path / "ckpt"))
-    manager = manager_module.CheckpointManager(storage, mode="sync", keep_last=2,
+    pipeline = pipeline_module.SavePipeline(storage, mode="sync", keep_last=2,
                                                is_coordinator=True, device=torch.device("cpu"))
-    manager.prepare()
+    pipeline.prepare()
     never: Future = Future()  # a background write that does not finish in time
-    manager._inflight = manager_module._InFlight(7, "interval", {}, time.perf_counter(), 0.0,
+    pipeline._inflight = pipeline_module._InFlight(7, "interval", {}, time.perf_counter(), 0.0,
                                                  never, None)
     began = time.monotonic()
     with pytest.raises(TimeoutError, match="step 7"):
-        manager.wait(timeout=0.2)
+        pipeline.wait(timeout=0.2)
     assert 0.2 <= time.monotonic() - began < 5
-    assert manager.in_flight_step == 7  # still in flight until given up
-    assert manager.abandon() == 7 and manager.in_flight_step is None
+    assert pipeline.in_flight_step == 7  # still in flight until given up
+    assert pipeline.abandon() == 7 and pipeline.in_flight_step is None
     never.set_result(None)  # finishing late changes nothing: it is no longer tracked
-    assert manager.wait() is None and manager.last_committed is None
+    assert pipeline.wait() is None and pipeline.last_committed is None
     assert project_module("checkpoint").list_committed(storage) == []
 
 
@@ -348,43 +267,3 @@ def test_grace_too_short_for_a_save_keeps_the_newest_committed_checkpoint(
     newest = project_module("checkpoint").newest_complete_checkpoint(storage_of(run_dirs))
     assert newest.record["reason"] == "interval" and newest.step < stop["stop_step"]
     assert stop["resume_step"] == newest.step
-
-
-@pytest.mark.parametrize("cloud, nproc", [pytest.param("aws", 2, marks=pytest.mark.slow),
-                                          ("gcp", None), ("azure", None)])
-def test_cloud_notice_stops_training_without_a_signal(run_dirs, tmp_path, metadata_service,
-                                                      cloud, nproc):
-    log_file = tmp_path / "job.log"
-    logs = Path(run_dirs["logs"])
-    proc = start("train", *overrides(run_dirs, f"preemption.notice_source={cloud}",
-                                     f"preemption.metadata_url={metadata_service.url}",
-                                     "preemption.poll_interval_s=0.2"),
-                 nproc=nproc, log_file=log_file)
-    wait_until(lambda: read_events(logs, "save"), proc, "the first save", log_file=log_file)
-    assert read_events(logs, "preemption") == []  # "no notice" answers change nothing
-    metadata_service.notice.set()
-    code = finish(proc, GRACE + 90)
-    # One process exits 75 itself; torchrun reports a worker's 75 as a failure (1).
-    assert code == EXIT_PREEMPTED if nproc is None else code != 0
-    stop = assert_stopped_with_final_checkpoint(run_dirs, log_file, NOTICE_SOURCE[cloud],
-                                                world_size=nproc or 1)
-    assert stop["detail"] and stop["signals_received"] == 1
-    assert metadata_service.refused == []
-
-
-@pytest.mark.slow   # kept out of the quick tier for its time; `make test` runs it
-def test_unreachable_metadata_service_does_not_disturb_training(run_dirs, tmp_path,
-                                                               closed_port_url):
-    log_file = tmp_path / "job.log"
-    proc = start("train", *overrides(run_dirs, "train.max_steps=8", "preemption.notice_source=aws",
-                                     f"preemption.metadata_url={closed_port_url}",
-                                     "preemption.poll_interval_s=0.2"),
-                 log_file=log_file)
-    assert finish(proc, 180) == 0
-    log = log_file.read_text()
-    assert "finished at step 8" in log
-    assert log.count("cannot read preemption notices") == 1, log
-    failed = re.search(r"preemption notices: (\d+) of (\d+) polls", log)
-    assert failed and int(failed.group(1)) > 1  # many failures, one warning
-    assert read_events(Path(run_dirs["logs"]), "preemption") == []
-    assert committed_steps(run_dirs)[-1] == 8

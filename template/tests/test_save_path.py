@@ -72,16 +72,16 @@ def test_a_background_save_given_up_is_never_committed_when_it_finishes(tmp_path
     grace) must not be committed by the upload thread once the write is done."""
     import slow_storage
 
-    manager_mod = project_module("checkpoint.save.manager")
+    pipeline_mod = project_module("checkpoint.save.pipeline")
     storage = slow_storage.slow_storage(tmp_path / "ckpt", 0.5)
-    manager = manager_mod.CheckpointManager(storage, mode="thread", keep_last=2,
+    pipeline = pipeline_mod.SavePipeline(storage, mode="thread", keep_last=2,
                                             is_coordinator=True, device=torch.device("cpu"))
-    manager.prepare()
-    manager.save(3, {"w": torch.ones(16)}, "interval", {"world_size": 1})
-    manager.wait_staged()
-    assert manager.abandon("test") == 3
+    pipeline.prepare()
+    pipeline.save(3, {"w": torch.ones(16)}, "interval", {"world_size": 1})
+    pipeline.wait_staged()
+    assert pipeline.abandon("test") == 3
     time.sleep(1.5)   # the write finishes meanwhile
-    assert manager.newest() is None and manager.last_committed is None
+    assert pipeline.newest() is None and pipeline.last_committed is None
     assert not (tmp_path / "ckpt" / "step_000000003.tmp" / "commit.json").exists()
 
 
@@ -89,15 +89,15 @@ def test_a_background_save_given_up_is_never_committed_when_it_finishes(tmp_path
 @pytest.mark.parametrize("mode", ["sync", "thread"])
 def test_the_save_plan_comes_from_the_cache_even_between_other_saves(tmp_path, mode):
     """Saves of the same state after the first reuse the cached plan, counted by the
-    manager's own planner in the process that plans (this one in sync and thread mode).
+    pipeline's own planner in the process that plans (this one in sync and thread mode).
     A differently shaped save in between (the checkpoint process's start-up save has a
     planner class of its own, as an export must) does not evict it."""
-    manager_mod = project_module("checkpoint.save.manager")
+    pipeline_mod = project_module("checkpoint.save.pipeline")
     storage = project_module("checkpoint.store.storage").LocalStorage(tmp_path / "ckpt")
     background = project_module("checkpoint.save.background")
-    manager = manager_mod.CheckpointManager(storage, mode=mode, keep_last=2,
+    pipeline = pipeline_mod.SavePipeline(storage, mode=mode, keep_last=2,
                                             is_coordinator=True, device=torch.device("cpu"))
-    manager.prepare()
+    pipeline.prepare()
     progress = {"step": 0}
     state = {"w": torch.randn(64, 8), "b": torch.zeros(8), "progress": progress}
     planner = project_module("checkpoint.save.dcp_planner").TrainingStatePlanner
@@ -106,13 +106,13 @@ def test_the_save_plan_comes_from_the_cache_even_between_other_saves(tmp_path, m
         state["progress"]["step"] = step
         state["w"].add_(1.0)
         before = planner.cache_hits
-        result = manager.save(step, state, "interval", {"world_size": 1})   # sync: committed
-        assert (result or manager.wait()) is not None, manager.last_error
+        result = pipeline.save(step, state, "interval", {"world_size": 1})   # sync: committed
+        assert (result or pipeline.wait()) is not None, pipeline.last_error
         hits.append(planner.cache_hits - before)
         other = {"another": torch.ones(3), "shape": torch.ones(5, 2)}
         dcp.save(other, storage_writer=dcp.FileSystemWriter(tmp_path / f"other{step}"),
                  planner=background._StartPlanner())
-    manager.close()
+    pipeline.close()
     assert hits[1:] == [1, 1, 1], hits
 
 

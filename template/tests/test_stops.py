@@ -22,7 +22,6 @@ from conftest import (
     overrides_for,
     project_module,
     read_events,
-    run_module,
     start,
     wait_until,
 )
@@ -91,11 +90,3 @@ def test_workers_stop_when_their_torchrun_dies(run_dirs, tmp_path):
     stop = read_events(logs, "preemption")[-1]
     assert stop["source"] == "launcher-gone"
     assert committed(run_dirs)[-1] == stop["stop_step"]
-
-
-def test_the_grace_period_is_capped_at_the_clouds_notice_window(run_dirs, closed_port_url):
-    proc = run_module("train", *overrides(run_dirs, "train.max_steps=2",
-                                          "checkpoint.async_mode=sync"),
-                      "preemption.notice_source=gcp", "preemption.grace_period_s=45.5",
-                      f"preemption.metadata_url={closed_port_url}")
-    assert "final save is planned against 30 s" in proc.stdout

@@ -3,6 +3,7 @@ save decisions beside it (``policy.py``, ``failed_saves.py``), the training stat
 (``state.py``), and below them four wings, each importing only the ones after it:
 
     memory/   the memory tier: copies in RAM of a node and of its partner node
+              (rendered with the copier answer memory_tier)
     save/     the save pipeline: async save, staging, the background process
     load/     which checkpoint to load, read once and checked as it is read
     store/    where checkpoints live: storage, the commit protocol, checksums, lease
@@ -10,18 +11,18 @@ save decisions beside it (``policy.py``, ``failed_saves.py``), the training stat
 
 from .checkpointer import Checkpointer, CheckpointRefused, StepDecision, TrainingState
 from .load.restore import CheckpointUnusable, IncompatibleCheckpoint
-from .save.manager import CheckpointManager, SaveResult
+from .save.pipeline import SavePipeline, SaveResult
 from .store.layout import Committed, list_committed, newest_complete_checkpoint, step_name
 from .store.storage import LocalStorage, open_storage
 
 __all__ = [
-    "CheckpointManager",
     "CheckpointRefused",
     "CheckpointUnusable",
     "Checkpointer",
     "Committed",
     "IncompatibleCheckpoint",
     "LocalStorage",
+    "SavePipeline",
     "SaveResult",
     "StepDecision",
     "TrainingState",

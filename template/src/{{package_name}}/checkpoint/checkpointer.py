@@ -6,7 +6,7 @@ The loop touches it at a few moments, as torchtitan's trainer touches its own:
     resumed = checkpointer.load(trainer)          # choose, check and load; None: fresh
     ...each step:
         checkpointer.maybe_wait_for_staging()     # before the optimizer step
-        decision = checkpointer.save(step, last_step=...)   # a StepDecision: save? stop?
+        decision = checkpointer.at_step_end(step, last_step=...)   # a StepDecision: save? stop?
     outcome = checkpointer.close(step, decision)  # finish the save in flight, verdict
     checkpointer.release()                        # the lease; whether a save was abandoned
 
@@ -24,18 +24,21 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..config import Config, OnSaveError
 from ..runtime import exit_codes
 from ..runtime.distributed import Runtime, decide_on_rank0
 from ..runtime.metrics import MetricsLog
 from .load.restore import TrainingState, choose_and_load
-from .memory.tier import MemoryTier, MemoryTierUnusable
 from .policy import SavePolicy, StepBoundary, StepDecision
-from .save.manager import CheckpointManager
+from .save.pipeline import SavePipeline
 from .store.layout import BestRule, Committed, check_storage, newest_complete_checkpoint
 from .store.lease import Lease, LeaseHeld
 from .store.storage import Storage, StorageError, StorageUnavailable, open_storage
+
+if TYPE_CHECKING:   # the memory tier is rendered on request (copier answer memory_tier)
+    from .memory.tier import MemoryTier
 
 __all__ = ["CheckpointRefused", "Checkpointer", "StepDecision", "TrainingState"]
 
@@ -52,13 +55,13 @@ class CheckpointRefused(RuntimeError):
 
 class Checkpointer:
     def __init__(self, cfg: Config, runtime: Runtime, metrics: MetricsLog,
-                 boundary: StepBoundary, manager: CheckpointManager, lease: Lease | None,
+                 boundary: StepBoundary, pipeline: SavePipeline, lease: Lease | None,
                  newest_step: int | None,
                  allow: Callable[[float], contextlib.AbstractContextManager] | None,
                  memory: MemoryTier | None = None) -> None:
         self.cfg, self.runtime, self.metrics = cfg, runtime, metrics
         self.boundary = boundary
-        self.manager = manager
+        self.pipeline = pipeline
         self.lease = lease
         self.memory = memory   # the memory tier (checkpoint.memory_interval_steps), or None
         self.first_start = newest_step is None   # no committed checkpoint at the start
@@ -95,22 +98,18 @@ class Checkpointer:
         refused = decide_on_rank0(lambda: _take(lease))
         if refused is not None:
             raise CheckpointRefused(refused)
-        manager = CheckpointManager(storage, mode=ckpt.async_mode, keep_last=ckpt.keep_last,
+        pipeline = SavePipeline(storage, mode=ckpt.async_mode, keep_last=ckpt.keep_last,
                                     is_coordinator=runtime.is_main, device=runtime.device,
                                     lease=lease, verify=ckpt.verify, best=best_rule(cfg))
         try:
-            manager.prepare()
-            newest = decide_on_rank0(lambda: _newest_step(manager))
-            memory = MemoryTier.open(cfg, runtime, metrics, continues=continues)
-        except MemoryTierUnusable as exc:
-            if lease is not None:
-                lease.release()
-            raise CheckpointRefused(str(exc)) from None
+            pipeline.prepare()
+            newest = decide_on_rank0(lambda: _newest_step(pipeline))
+            memory = _open_memory_tier(cfg, runtime, metrics, continues)
         except BaseException:
             if lease is not None:
                 lease.release()
             raise
-        return cls(cfg, runtime, metrics, boundary, manager, lease, newest, allow, memory)
+        return cls(cfg, runtime, metrics, boundary, pipeline, lease, newest, allow, memory)
 
     def load(self, training: TrainingState) -> Committed | None:
         """Load the newest checkpoint that loads into ``training`` (falling back to older
@@ -122,12 +121,12 @@ class Checkpointer:
         if self.memory is not None:   # the nearest copy: memory when not older than durable
             resumed = self.memory.restore(training.state(), self._newest_step)
         if resumed is None:
-            resumed = choose_and_load(self.manager.storage, self.manager.verify, training,
+            resumed = choose_and_load(self.pipeline.storage, self.pipeline.verify, training,
                                       self.cfg, self.runtime, self.metrics)
         ckpt = self.cfg.checkpoint
         stop_at_once = ckpt.on_error == OnSaveError.stop   # the first failed save stops
         self._policy = SavePolicy(
-            self.manager, interval_steps=ckpt.interval_steps, final_step=self.cfg.train.max_steps,
+            self.pipeline, interval_steps=ckpt.interval_steps, final_step=self.cfg.train.max_steps,
             state=training.state, record=training.commit_record, metrics=self.metrics,
             wait_timeout_s=ckpt.wait_timeout_s,
             max_failed_in_a_row=1 if stop_at_once else ckpt.max_failed_saves,
@@ -140,7 +139,7 @@ class Checkpointer:
     @property
     def storage(self) -> Storage:
         """checkpoint.dir (the no-progress guard keeps its count there)."""
-        return self.manager.storage
+        return self.pipeline.storage
 
     def newest_recoverable_step(self) -> int | None:
         """The newest step a restart could come back to, as rank 0 sees it at the start:
@@ -155,10 +154,11 @@ class Checkpointer:
         """Before the optimizer step: the staged copy of a save in flight is complete."""
         self._saves().before_optimizer_step()
 
-    def save(self, step: int, *, last_step: bool = False) -> StepDecision:
+    def at_step_end(self, step: int, *, last_step: bool = False) -> StepDecision:
         """The step boundary after ``step``: commit what finished, vote, then save, stop
         (saving at the stop if the grace period allows) or go on. The call before the
-        first step starts the background checkpoint process and only votes."""
+        first step starts the background checkpoint process and only votes. (torchtitan's
+        ``save(step, last_step)``; named for the moment, since it decides more than a save.)"""
         policy = self._saves()
         if not self._warm:
             self._warm = True
@@ -196,7 +196,7 @@ class Checkpointer:
             return StepDecision(saved=last.saved, why="finished")
         return StepDecision(why="not_saved", detail=(
             f"the final checkpoint of step {step} did not commit "
-            f"({self.manager.last_error or 'see the log'}); the newest committed checkpoint "
+            f"({self.pipeline.last_error or 'see the log'}); the newest committed checkpoint "
             f"is {newest}"))
 
     def release(self) -> bool:
@@ -204,7 +204,7 @@ class Checkpointer:
         still run (the process must then leave without waiting for it)."""
         if self.lease is not None:
             self.lease.release()
-        return self.manager.abandoned
+        return self.pipeline.abandoned
 
     # ------------------------------------------------ what the benchmark drives --
     # bench measures the loop with this checkpointer: it sets the interval itself, asks
@@ -222,14 +222,14 @@ class Checkpointer:
 
     @property
     def save_in_flight(self) -> bool:
-        return self.manager.in_flight
+        return self.pipeline.in_flight
 
     def wait_for_save(self) -> None:
-        self.manager.wait()
+        self.pipeline.wait()
 
     @property
     def failed_saves(self) -> int:
-        return self.manager.failed_saves
+        return self.pipeline.failed_saves
 
     # ------------------------------------------------------------------------ --
     @property
@@ -275,6 +275,20 @@ def _take(lease: Lease | None) -> str | None:
     return None
 
 
-def _newest_step(manager: CheckpointManager) -> int | None:
-    newest = newest_complete_checkpoint(manager.storage, verify="none")
+def _newest_step(pipeline: SavePipeline) -> int | None:
+    newest = newest_complete_checkpoint(pipeline.storage, verify="none")
     return newest.step if newest is not None else None
+
+
+def _open_memory_tier(cfg: Config, runtime: Runtime, metrics: MetricsLog,
+                      continues: bool) -> MemoryTier | None:
+    """The memory tier when checkpoint.memory_interval_steps turns it on. It is rendered
+    with the copier answer memory_tier; the config refuses the setting without it
+    (config/parts.py), so the import below finds it whenever it runs."""
+    if not cfg.checkpoint.memory_interval_steps:
+        return None
+    from .memory.tier import MemoryTier, MemoryTierUnusable
+    try:
+        return MemoryTier.open(cfg, runtime, metrics, continues=continues)
+    except MemoryTierUnusable as exc:
+        raise CheckpointRefused(str(exc)) from None

@@ -10,7 +10,11 @@ flight is drained and a final checkpoint written at this step if the grace perio
 allows (``stop``), and the decision says stop.
 
 Every wait is bounded and shared: the ranks wait for a save in flight together, and give
-it up together when it fails on any rank or outlasts ``checkpoint.wait_timeout_s``.
+it up together when it fails on any rank or outlasts ``checkpoint.wait_timeout_s``. A
+due save does not wait for a predecessor that is overdue (in flight longer than
+``OVERDUE_MIN_S`` or ``OVERDUE_FACTOR`` times the newest write: storage slow or away,
+an object store's client retrying): it is left to the next due step and training goes
+on, so an outage of the storage costs checkpoints, not steps.
 After a background save has failed on any rank (e.g. DCP's checkpoint process died: it
 is never restarted), every later save is written synchronously: slower, but checkpoints
 keep coming. Saves failing ``checkpoint.max_failed_saves`` times in a row, with none
@@ -38,12 +42,17 @@ from ..runtime.distributed import any_rank, decide_on_rank0
 from ..runtime.metrics import Event, MetricsLog
 from ..runtime.phases import Phase
 from .failed_saves import FailedSaves
-from .save.manager import CheckpointManager, SaveResult
+from .save.pipeline import SavePipeline, SaveResult
 from .store.layout import Committed
 
 log = logging.getLogger(__name__)
 
 WAIT_SLICE_S = 0.1  # how often a wait for the previous save looks for a stop request
+# A save in flight longer than this (and than OVERDUE_FACTOR x the newest write time) is
+# overdue: a due save no longer waits for it on the training path, but is left to the
+# next due step (the predecessor is still given up after checkpoint.wait_timeout_s).
+OVERDUE_MIN_S = 10.0
+OVERDUE_FACTOR = 3.0
 
 
 @dataclass(frozen=True)
@@ -82,14 +91,14 @@ class Stopped:
 
 
 class SavePolicy:
-    def __init__(self, manager: CheckpointManager, *, interval_steps: int, final_step: int,
+    def __init__(self, pipeline: SavePipeline, *, interval_steps: int, final_step: int,
                  state: Callable[[], dict[str, Stateful]], record: Callable[[], dict[str, Any]],
                  metrics: MetricsLog, wait_timeout_s: float, max_failed_in_a_row: int,
                  allowance: Callable[[bool], contextlib.AbstractContextManager] = (
                      lambda _at_stop: contextlib.nullcontext()),
                  max_failed_s: float = 0.0, clock: Callable[[], float] = time.monotonic
                  ) -> None:
-        self.manager = manager
+        self.pipeline = pipeline
         self.interval_steps = interval_steps
         self.final_step = final_step
         self.wait_timeout_s = wait_timeout_s
@@ -101,6 +110,7 @@ class SavePolicy:
         self.synchronous = False
         self.resumed_from: Committed | None = None
         self._waited_s: dict[int, float] = {}
+        self._deferred_for: int | None = None   # the late save in flight last said
         self._prestage = False   # allocate the staging buffers after the first optimizer step
         self._starting = False   # the checkpoint process is starting (``warm_up``)
         self._warm_up_began = 0.0
@@ -120,13 +130,13 @@ class SavePolicy:
         for its state dict initialises it with a step of its own.
         """
         self._warm_up_began = time.perf_counter()
-        failure = self.manager.warm_up(self._state() if stage else None, timeout_s,
+        failure = self.pipeline.warm_up(self._state() if stage else None, timeout_s,
                                        process_log)
         (failed_somewhere,) = any_rank(failure is not None)
         if failed_somewhere:
             self._go_synchronous(self.progress_step(), "the background checkpoint process did "
                                  f"not start on every rank ({failure or 'on another rank'})")
-        elif self.manager.mode.value != "sync":
+        elif self.pipeline.mode.value != "sync":
             self._prestage = not stage
             self._starting = True
 
@@ -137,7 +147,7 @@ class SavePolicy:
             return
         self._starting = False
         waiting = time.perf_counter()
-        failure = self.manager.wait_ready()
+        failure = self.pipeline.wait_ready()
         waited = time.perf_counter() - waiting   # the loop was blocked this long
         (failed_somewhere,) = any_rank(failure is not None)
         if failed_somewhere:
@@ -161,16 +171,20 @@ class SavePolicy:
         start a save if one is due. ``trained``: a step was trained since the start (the
         call before the first step only votes). Saves and the stop run under
         ``allowance(at_stop)``, the watchdog's extra time for work with bounds of its own."""
-        self._report(self.manager.poll())
+        self._report(self.pipeline.poll())
         due = trained and (last_step or self.due(step))
         if self._prestage and not due and not self.synchronous and trained:
             # The optimizer has state now: the staging buffers are allocated in the
             # background during the next step, not by the first save.
             self._prestage = False
-            self.manager.prestage(self._state())
+            self.pipeline.prestage(self._state())
+        deferred = False
         with self.allowance(False) if due else contextlib.nullcontext():
-            waited = self._finish_previous(boundary) if due else 0.0
-            vote = boundary.vote(failed_saves=self.manager.failed_saves)
+            if due:
+                waited, deferred = self._finish_previous(boundary, defer=not last_step)
+            else:
+                waited = 0.0
+            vote = boundary.vote(failed_saves=self.pipeline.failed_saves)
         if due and self._starting:   # a stop saves synchronously: it needs no process
             with self.allowance(False):
                 self.wait_ready(step)
@@ -179,28 +193,31 @@ class SavePolicy:
                 stopped = self.stop(step, vote.stop_at, boundary)
             return StepDecision(saved=stopped.final_step is not None, stop=True,
                                 why="interrupted" if stopped.by_user else "preempted")
+        if deferred:
+            self._say_deferred(step)
+            return StepDecision()
         if not due:
             return StepDecision()
         if self.failures.count(vote.failed_saves):  # a save failed since the last due step
             if self.failures.spent():
-                last = self.manager.last_error or "see the log of the rank where it failed"
+                last = self.pipeline.last_error or "see the log of the rank where it failed"
                 return StepDecision(stop=True, why="not_saved", detail=self.failures.why(last))
             if (waiting := self.failures.waiting()) is not None:
                 self.metrics.say(waiting)
             # A broken checkpoint process is left for synchronous saves; a save that only
             # met unreachable storage is not (the process is fine: the next one may work).
-            (broken,) = any_rank(self.manager.broken_save)
-            self.manager.broken_save = False
+            (broken,) = any_rank(self.pipeline.broken_save)
+            self.pipeline.broken_save = False
             if broken and not self.synchronous:
                 self._go_synchronous(step, "a background save failed")
         self._waited_s[step] = waited
         reason = "final" if last_step or step == self.final_step else "interval"
         try:
             with self.allowance(False):
-                self._report(self.manager.save(step, self._state(), reason, self._record(),
+                self._report(self.pipeline.save(step, self._state(), reason, self._record(),
                                                blocking=self.synchronous))
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - counted, voted next time
-            self.manager.record_failure(step, exc, "failed")
+            self.pipeline.record_failure(step, exc, "failed")
             return StepDecision(why=reason)
         return StepDecision(saved=True, why=reason)
 
@@ -215,43 +232,70 @@ class SavePolicy:
 
     def before_optimizer_step(self) -> None:
         """The staged copy of an in-flight save must be complete before weights change."""
-        self.manager.wait_staged()
+        self.pipeline.wait_staged()
 
-    def _finish_previous(self, boundary: StepBoundary, *, stop_ends_wait: bool = True) -> float:
+    def _finish_previous(self, boundary: StepBoundary, *, stop_ends_wait: bool = True,
+                         defer: bool = False) -> tuple[float, bool]:
         """Wait, on every rank together, for the save in flight (one at a time).
 
         The wait ends when the save is written on every rank; when a stop is requested
         on any rank (the stop then drains it within the grace period); or, giving the
         save up on every rank, when it failed on any rank or outlasted
-        ``checkpoint.wait_timeout_s``. Returns the seconds waited, time on the training path.
+        ``checkpoint.wait_timeout_s`` (waited for, or with ``defer`` since it started).
+        With ``defer`` (a due save that is not the last) it also ends, the save left in
+        flight, once the save is overdue (``overdue_after_s``). Returns the seconds
+        waited (time on the training path) and whether it ended so.
         """
         began = time.perf_counter()
-        failures_before = self.manager.failed_saves
+        failures_before = self.pipeline.failed_saves
+        overdue_s = self.overdue_after_s() if defer else float("inf")
         while True:
-            if self.manager.in_flight:
+            age = self.pipeline.in_flight_s
+            if self.pipeline.in_flight and age <= overdue_s:
                 try:
-                    self._report(self.manager.wait(timeout=WAIT_SLICE_S))
+                    self._report(self.pipeline.wait(timeout=WAIT_SLICE_S))
                 except TimeoutError:
                     pass
             waited = time.perf_counter() - began
-            pending, stop, failed, too_long = any_rank(
-                self.manager.in_flight, stop_ends_wait and boundary.requested,
-                self.manager.failed_saves > failures_before, waited > self.wait_timeout_s)
+            pending, stop, failed, too_long, overdue = any_rank(
+                self.pipeline.in_flight, stop_ends_wait and boundary.requested,
+                self.pipeline.failed_saves > failures_before,
+                waited > self.wait_timeout_s or (defer and age > self.wait_timeout_s),
+                age > overdue_s)
             if not pending or stop:
-                return waited
+                return waited, False
             if failed or too_long:
                 why = (f"it was not written within {self.wait_timeout_s:g} s "
                        "(checkpoint.wait_timeout_s)" if too_long else "it failed on another rank")
-                self.manager.abandon(why)
-                return waited
+                self.pipeline.abandon(why)
+                return waited, False
+            if overdue:
+                return waited, True
+
+    def overdue_after_s(self) -> float:
+        """How long a due save waits for the save in flight to be written, counted from
+        that save's start, before it leaves itself to the next due step."""
+        return max(OVERDUE_MIN_S, OVERDUE_FACTOR * self.save_estimate_s())
+
+    def _say_deferred(self, step: int) -> None:
+        """One line per save in flight that due saves stopped waiting for."""
+        late = self.pipeline.in_flight_step
+        if late != self._deferred_for:
+            self._deferred_for = late
+            self.metrics.say(
+                f"the save of step {late} is still being written after "
+                f"{self.pipeline.in_flight_s:.0f} s (storage slow or unreachable): training "
+                f"goes on and step {step}'s save is left to the next due step (one save at a "
+                f"time; it is given up after checkpoint.wait_timeout_s="
+                f"{self.wait_timeout_s:g} s)")
 
     def finish(self, boundary: StepBoundary) -> None:
         """At the end of the run: commit the save in flight (bounded) and release the buffers."""
         if self._starting:   # stopped before any save needed the checkpoint process
             self._starting = False
-            self.manager.give_up_start()
+            self.pipeline.give_up_start()
         self._finish_previous(boundary, stop_ends_wait=False)
-        self._report(self.manager.close())
+        self._report(self.pipeline.close())
 
     def committed(self, step: int) -> bool:
         """Whether ``step`` is the newest committed checkpoint (rank 0 knows)."""
@@ -260,7 +304,7 @@ class SavePolicy:
     # -------------------------------------------------------- for the stop --
     @property
     def in_flight_step(self) -> int | None:
-        return self.manager.in_flight_step
+        return self.pipeline.in_flight_step
 
     def drain(self, timeout: float) -> tuple[SaveResult | None, bool]:
         """Commit the save in flight within ``timeout`` s: (result, whether time ran out).
@@ -268,24 +312,24 @@ class SavePolicy:
         A save that does not finish in time is abandoned: its directory never counts.
         """
         try:
-            result = self.manager.wait(timeout=timeout)
+            result = self.pipeline.wait(timeout=timeout)
         except TimeoutError:
-            self.manager.abandon()
+            self.pipeline.abandon()
             return None, True
         self._report(result)
         return result, False
 
     def save_now(self, step: int, reason: str) -> SaveResult | None:
         """A synchronous save of the current state (the final one before exiting)."""
-        result = self.manager.save(step, self._state(), reason, self._record(), blocking=True)
+        result = self.pipeline.save(step, self._state(), reason, self._record(), blocking=True)
         self._report(result)
         return result
 
     @property
     def newest_step(self) -> int | None:
         """The step a restart would resume from (rank 0 knows), or None."""
-        if self.manager.last_committed is not None:
-            return self.manager.last_committed.step
+        if self.pipeline.last_committed is not None:
+            return self.pipeline.last_committed.step
         return self.resumed_from.step if self.resumed_from is not None else None
 
     def save_estimate_s(self) -> float:
@@ -294,8 +338,8 @@ class SavePolicy:
         This run's last commit, else the one resumed from (its commit.json), else 0
         (unknown: try anyway; a save cut off by the hard kill never counts).
         """
-        if self.manager.last_committed is not None:
-            return self.manager.last_committed.write_s
+        if self.pipeline.last_committed is not None:
+            return self.pipeline.last_committed.write_s
         if self.resumed_from is not None:
             record = self.resumed_from.record
             return float(record.get("write_s", record.get("commit_latency_s", 0.0)))
@@ -391,7 +435,7 @@ class SavePolicy:
 
     # ------------------------------------------------------------- reporting --
     def describe_newest(self) -> str:
-        last = self.manager.last_committed
+        last = self.pipeline.last_committed
         if last is not None:
             return (f"last save step {last.step} (blocking {last.blocking_s:.3f} s, "
                     f"committed after {last.commit_latency_s:.2f} s)")

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ..runtime import exit_codes
+from . import parts
 from .plan_defaults import CRASH_SHARE, NODE_LOSS_SHARE, SHARE_SLACK
 from .yaml_file import UnreadableConfig, read_yaml
 
@@ -75,6 +76,12 @@ class NoticeSource(str, enum.Enum):
 def require(condition: bool, key: str, message: str, value: object) -> None:
     if not condition:
         raise ConfigError(f"{key} {message} (got {value!r})")
+
+
+def rendered(part: parts.Part, off: bool, setting: str, **answer: str) -> None:
+    """A setting that turns on an optional part (``off`` false) needs the part rendered."""
+    if not off and not parts.rendered(part):
+        raise ConfigError(parts.missing(part, setting, **answer))
 
 
 @dataclass
@@ -166,6 +173,8 @@ class CheckpointConfig:
         require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", self.keep_last)
         require(self.memory_interval_steps >= 0, "checkpoint.memory_interval_steps",
                 "must be >= 0 (0 = off)", self.memory_interval_steps)
+        rendered(parts.MEMORY_TIER, not self.memory_interval_steps,
+                 f"checkpoint.memory_interval_steps={self.memory_interval_steps}")
         require(bool(self.memory_dir.strip()) and not _URL.match(self.memory_dir),
                 "checkpoint.memory_dir", "must be a local directory (a tmpfs such as /dev/shm)",
                 self.memory_dir)
@@ -211,6 +220,9 @@ class PreemptionConfig:
                  self.exit_code)
         require(self.poll_interval_s > 0, "preemption.poll_interval_s", "must be > 0",
                  self.poll_interval_s)
+        source = NoticeSource(self.notice_source)
+        rendered(parts.CLOUD_NOTICES, source == NoticeSource.none,
+                 f"preemption.notice_source={source.value}", cloud=source.value)
         require(self.metadata_url == "" or self.metadata_url.startswith(("http://", "https://")),
                  "preemption.metadata_url",
                  "must be empty (the cloud's own address) or an http:// or https:// URL",
@@ -226,7 +238,7 @@ class RecoveryConfig:
     first_step_timeout_s: float = 600.0   # the first step of each start, and until steps are measured
     collective_timeout_s: float = 900.0   # the process group's bound on one collective
     max_attempts_without_progress: int = 3   # starts in a row without a new checkpoint; 0 = no limit
-    straggler_every_steps: int = 50   # how often ranks compare their step times; 0 = never
+    straggler_every_steps: int = 0    # how often ranks compare their step times; 0 = never
     straggler_ratio: float = 1.5      # slower than the median of ranks by this factor: a straggler
     rendezvous_timeout_s: float = 120.0   # several nodes: how long they wait for each other
 
@@ -243,6 +255,8 @@ class RecoveryConfig:
                      "must be a finite number of seconds > 0", value)
         require(math.isfinite(self.straggler_ratio) and self.straggler_ratio > 1,
                  "recovery.straggler_ratio", "must be a finite number > 1", self.straggler_ratio)
+        rendered(parts.STRAGGLERS, not self.straggler_every_steps,
+                 f"recovery.straggler_every_steps={self.straggler_every_steps}")
         # A hung step must meet the watchdog (stacks, a `hang` event, exit 124) before the
         # process group's own timeout aborts the collective it hangs in (NCCL: exit -6,
         # no event): every watchdog bound stays below the collective bound.
@@ -265,6 +279,7 @@ class LogConfig:
         for name in self.trackers:
             require(name in TRACKERS, "log.trackers", f"names one of {', '.join(TRACKERS)}",
                     name)
+        rendered(parts.TRACKERS, not self.trackers, f"log.trackers={list(self.trackers)}")
 
 
 @dataclass

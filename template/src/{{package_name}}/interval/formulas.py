@@ -88,8 +88,8 @@ below). With a = 0 there is no memory optimum; with 1 - a = 0 (no job losses) th
 part costs nothing for rare saves and N_d stays N.
 
 Memory each rank holds with the tier on: two slots of its own shard and two of its
-partner's (checkpoint/memory/copies.py: the newest complete copy and the one before it, or the
-next being written), 2 + 2 shards once two copies were made (on one node 2: no
+partner's (the newest complete copy and the one before it, or the next being written:
+checkpoint/memory/copies.py, rendered with memory_tier), 2 + 2 shards once two copies were made (on one node 2: no
 partner). ``memory_shards_per_rank`` says so; the copies are freed when the job ends.
 
 The copy-time numbers (includes/plan.jinja in the template) repeat these
@@ -464,8 +464,8 @@ def break_even_memory_blocking(inputs: Inputs) -> float | None:
 
 
 # Shards of its own size each rank keeps in memory with the memory tier on, (own,
-# partner's): two slots each (checkpoint/memory/copies.py SLOTS), both kept once written, so the
-# steady state is the peak.
+# partner's): two slots each, both kept once written, so the steady state is the peak
+# (SLOTS in checkpoint/memory/copies.py, rendered with memory_tier).
 MEMORY_SHARDS = (2, 2)
 
 

@@ -58,7 +58,6 @@ from ..runtime.distributed import (
 from ..runtime.exit_codes import error_line
 from ..runtime.metrics import Event, MetricsLog, append_event
 from ..runtime.phases import Phase
-from ..tracking.trackers import open_trackers
 from .sampling import BatchSizeError
 from .task_contract import load_task
 from .trainer import TaskError, Trainer
@@ -277,7 +276,11 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: Stop
 def _attach_trackers(cfg: Config, checkpointer: Checkpointer, metrics: MetricsLog,
                      resumed: Committed | None) -> str | None:
     """Rank 0: the experiment trackers (log.trackers) follow every event from now on,
-    continuing the checkpoint directory's tracker run; why they cannot, or None."""
+    continuing the checkpoint directory's tracker run; why they cannot, or None. The
+    trackers are rendered with the copier answer trackers (config/parts.py)."""
+    if not cfg.log.trackers:
+        return None
+    from ..tracking.trackers import open_trackers
     try:
         metrics.sinks += open_trackers(cfg.log.trackers, cfg.log.dir,
                                        checkpointer.storage,

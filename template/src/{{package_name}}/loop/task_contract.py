@@ -62,7 +62,7 @@ MOVED_MODULES = {
     "checkpoint.planner": ("checkpoint.save.dcp_planner",),
     # checkpoint/ in wings (CHANGELOG.md, Unreleased).
     **{f"checkpoint.{old}": (f"checkpoint.{new}",) for old, new in (
-        ("manager", "save.manager"), ("staging", "save.staging"),
+        ("manager", "save.pipeline"), ("staging", "save.staging"),
         ("background", "save.background"), ("dcp_planner", "save.dcp_planner"),
         ("memory_tier", "memory.tier"), ("memory", "memory.copies"),
         ("partners", "memory.partners"), ("storage", "store.storage"),

@@ -25,7 +25,6 @@ from torch.utils.data import DataLoader
 from ..checkpoint import Checkpointer, Committed
 from ..checkpoint.state import Progress, RankRNG, training_state
 from ..config import Config, TaskContext, to_plain_dict
-from ..recovery.stragglers import StragglerCheck
 from ..recovery.watchdog import StepWatchdog
 from ..runtime.distributed import Runtime
 from ..runtime.metrics import Event, MetricsLog
@@ -111,6 +110,33 @@ def _naming_dead_workers(loader_iter: Iterator[Any]) -> Iterator[Any]:
         yield batch
 
 
+class NoStragglerCheck:
+    """recovery.straggler_every_steps = 0: the trainer's straggler hooks do nothing."""
+
+    def add_input(self, seconds: float) -> None:
+        pass
+
+    def optimizer(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def step_done(self, step_time_s: float) -> None:
+        pass
+
+    def due(self, step: int) -> bool:
+        return False
+
+
+def straggler_check(cfg: Config, runtime: Runtime, metrics: MetricsLog) -> Any:
+    """The straggler check recovery.straggler_every_steps asks for. Straggler detection is
+    rendered with the copier answer straggler_detection; the config refuses the setting
+    without it (config/parts.py)."""
+    if not cfg.recovery.straggler_every_steps:
+        return NoStragglerCheck()
+    from ..recovery.stragglers import StragglerCheck
+    return StragglerCheck(every_steps=cfg.recovery.straggler_every_steps,
+                          ratio=cfg.recovery.straggler_ratio, runtime=runtime, metrics=metrics)
+
+
 class Trainer:
     def __init__(self, cfg: Config, task: Task, runtime: Runtime, checkpointer: Checkpointer,
                  metrics: MetricsLog, watchdog: StepWatchdog | None = None,
@@ -134,9 +160,7 @@ class Trainer:
         self.progress = Progress()
         self._adapters: dict[str, Any] | None = None   # built once: saves reuse them
         self._config_record: dict[str, Any] | None = None   # the config as plain data
-        self.stragglers = StragglerCheck(every_steps=cfg.recovery.straggler_every_steps,
-                                         ratio=cfg.recovery.straggler_ratio, runtime=runtime,
-                                         metrics=metrics)
+        self.stragglers = straggler_check(cfg, runtime, metrics)
         self.watchdog = watchdog
         self.stop_requested = stop_requested   # a preemption ends an evaluation early
         self.evaluator = Evaluator(cfg, task, runtime)
@@ -305,7 +329,7 @@ class Trainer:
             while True:
                 # Before the first step this only votes: a stop asked for during start-up
                 # (building, resuming) ends the run before step one.
-                decision = self.checkpointer.save(step, last_step=step >= max_steps)
+                decision = self.checkpointer.at_step_end(step, last_step=step >= max_steps)
                 if values is not None and not decision.stop and (
                         step % self.cfg.log.every_steps == 0 or step == max_steps):
                     self._progress_line(values, rate, time.monotonic() - started,

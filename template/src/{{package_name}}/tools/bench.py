@@ -69,9 +69,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .. import PACKAGE
 from ..checkpoint import CheckpointRefused
 from ..checkpoint.load.restore import load_checkpoint
-from ..checkpoint.memory.tier import MemoryTier
 from ..checkpoint.save.dcp_planner import TrainingStatePlanner
-from ..config import AsyncMode, ConfigError, load_config
+from ..config import AsyncMode, ConfigError, load_config, parts
 from ..loop.task_contract import load_task
 from ..runtime import exit_codes
 from ..runtime.distributed import (
@@ -98,7 +97,8 @@ class PlainDcpPlanner(TrainingStatePlanner):
 def _measure_memory(bench: Bench, state: dict, timings: dict[str, list[float]],
                     repeats: int) -> dict[str, Any]:
     """The memory tier's save stall and load, on this run's state (its own folder of
-    copies under checkpoint.memory_dir, freed afterwards)."""
+    copies under checkpoint.memory_dir, freed afterwards). Rendered with memory_tier."""
+    from ..checkpoint.memory.tier import MemoryTier
     cfg = bench.trainer.cfg
     ckpt = dataclasses.replace(cfg.checkpoint, memory_interval_steps=1)
     tier = MemoryTier.open(dataclasses.replace(cfg, checkpoint=ckpt), bench.checkpointer.runtime,
@@ -266,16 +266,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return exit_codes.BAD_INPUT
         warm_up_s = time.perf_counter() - began
-        manager = bench.checkpointer.manager
+        pipeline = bench.checkpointer.pipeline
         if any_rank(bench.checkpointer.policy.synchronous)[0]:
-            print(f"error: {manager.last_error or 'the checkpoint process did not start'}",
+            print(f"error: {pipeline.last_error or 'the checkpoint process did not start'}",
                   file=sys.stderr)
             return exit_codes.BAD_INPUT
         if args.train_steps is not None:
             report = measure_throughput(
                 bench, args.train_steps, args.interval or cfg.checkpoint.interval_steps,
                 args.repeats, int(cfg.data.get("seq_len", 0)) or None)
-            manager.close()
+            pipeline.close()
             report = {"world_size": runtime.world_size, "mode": mode.value, **report}
             if runtime.is_main:
                 print(json.dumps(report) if args.json else throughput_text(report))
@@ -295,10 +295,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Bench,
              mode: AsyncMode) -> dict[str, Any]:
-    trainer, manager = bench.trainer, bench.checkpointer.manager
+    trainer, pipeline = bench.trainer, bench.checkpointer.pipeline
     model, optimizer, state = trainer.model, trainer.optimizer, trainer.state()
     say = print if runtime.is_main and not args.json else (lambda *a, **k: None)
-    stager = getattr(manager, "_stager", None)   # closed (None) once the loop has finished
+    stager = getattr(pipeline, "_stager", None)   # closed (None) once the loop has finished
     tensors = _local_tensors(state)
     local_bytes = sum(t.numel() * t.element_size() for t in tensors)
     say(f"benchmarking on {runtime.world_size} rank(s), {args.repeats} repeats, "
@@ -363,11 +363,11 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
     for i in range(args.repeats + 1):  # the first save of the run, then the timed ones
         trainer.progress.step = 100 + i
         dist.barrier()
-        manager.save(trainer.progress.step, state, "interval", trainer.commit_record())
-        manager.wait_staged()
-        result = manager.wait()
+        pipeline.save(trainer.progress.step, state, "interval", trainer.commit_record())
+        pipeline.wait_staged()
+        result = pipeline.wait()
         if any_rank(runtime.is_main and result is None)[0]:
-            raise RuntimeError(f"a save failed during the benchmark: {manager.last_error}")
+            raise RuntimeError(f"a save failed during the benchmark: {pipeline.last_error}")
         if runtime.is_main:
             if i == 0:
                 first = {"blocking_s": result.blocking_s, "commit_s": result.commit_latency_s}
@@ -378,17 +378,17 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
         say(f"  {name:<15} median {statistics.median(timings[name] or [0]):.3f} s")
 
     # -- loading -----------------------------------------------------------------------
-    checkpoint = decide_on_rank0(manager.newest)
+    checkpoint = decide_on_rank0(pipeline.newest)
     files = sorted(Path(checkpoint.path).iterdir())
     own = [Path(checkpoint.path) / f"__{runtime.rank}_0.distcp", Path(checkpoint.path) / ".metadata"]
     evict = (lambda _: _drop_from_page_cache(files)) if runtime.is_main else None
 
     def verify(_: int) -> None:
-        if runtime.is_main and manager.newest() is None:
+        if runtime.is_main and pipeline.newest() is None:
             raise RuntimeError("the newest checkpoint did not verify")
 
     def load(_: int) -> None:
-        load_checkpoint(manager.storage, state, checkpoint, manager.verify)
+        load_checkpoint(pipeline.storage, state, checkpoint, pipeline.verify)
 
     buffer = bytearray(8 << 20)
 
@@ -416,11 +416,15 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
     measure("baseline_load", baseline_load, before=(
         (lambda _: _drop_from_page_cache([baseline_file])) if runtime.is_main else None))
 
-    # -- the memory tier ------------------------------------------------------------
-    memory = _measure_memory(bench, state, timings, args.repeats)
-    for name in ("memory_save", "memory_load", "memory_load_sampled", "memory_load_checked",
-                 "memory_check"):
-        say(f"  {name:<15} median {statistics.median(timings[name]):.3f} s")
+    # -- the memory tier (when rendered: the copier answer memory_tier) -------------
+    memory = {"held_bytes": None, "nodes": None}
+    if parts.rendered(parts.MEMORY_TIER):
+        memory = _measure_memory(bench, state, timings, args.repeats)
+        for name in ("memory_save", "memory_load", "memory_load_sampled", "memory_load_checked",
+                     "memory_check"):
+            say(f"  {name:<15} median {statistics.median(timings[name]):.3f} s")
+    else:
+        say("  memory tier     not rendered (copier answer memory_tier): not measured")
 
     # -- in a training loop ------------------------------------------------------------
     commit_s = decide_on_rank0(lambda: statistics.median(timings["async_commit"]))

@@ -56,7 +56,7 @@ def build_trainer(cfg: Config, task: Task, runtime: Runtime) -> Bench:
     trainer = Trainer(cfg, task, runtime, checkpointer, metrics)
     trainer.resume()                               # a fresh directory: nothing to load
     batches = trainer.micro_batches()
-    checkpointer.save(0)                           # the start: the checkpoint process
+    checkpointer.at_step_end(0)                           # the start: the checkpoint process
     trainer.train_step(batches)
     checkpointer.wait_until_ready(0)               # up before the benchmark's own saves
     return Bench(trainer, checkpointer, batches)
@@ -73,7 +73,7 @@ def run_steps(bench: Bench, first: int, count: int) -> list[tuple[float, str]]:
     for step in range(first, first + count):
         began = time.perf_counter()
         was_in_flight = checkpointer.save_in_flight
-        checkpointer.save(step - 1)
+        checkpointer.at_step_end(step - 1)
         trainer.train_step(bench.batches)
         kind = "save" if checkpointer.save_due(step - 1) else "in_flight" if was_in_flight else "clean"
         steps.append((time.perf_counter() - began, kind))

@@ -48,7 +48,7 @@ def report_text(r: dict) -> str:
     ]
     lines = [(f"\ncheckpoint figures, median of {r['repeats']} ({r['world_size']} {r['device']} "
               f"rank(s), {r['mode']} mode, {r['state_bytes_rank0'] / 2**20:.1f} MiB per rank):")]
-    lines += [f"  {label:<38} {fmt(med[key]):>8} s" for label, key in rows]
+    lines += [f"  {label:<38} {fmt(med.get(key)):>8} s" for label, key in rows]
     lines.append("ratios:")
     lines += [f"  {name:<24} {fmt(value, '7.2f')}x" for name, value in r["ratios"].items()]
     steps = loop["step_s"]
@@ -64,7 +64,9 @@ def report_text(r: dict) -> str:
         (f"staging memory per rank {r['staging_bytes_per_rank'] / 2**20:.1f} MiB (held "
          f"while a save is in flight); {r['staged_fast']} of {r['staged_fast'] + r['staged_full']}"
          f" stagings reused the buffers' layout"),
-        (f"memory tier: {r['memory_held_bytes_rank0'] / 2**20:.1f} MiB of copies held for rank 0 "
+        ("memory tier: not rendered (copier answer memory_tier)"
+         if r["memory_held_bytes_rank0"] is None else
+         f"memory tier: {r['memory_held_bytes_rank0'] / 2**20:.1f} MiB of copies held for rank 0 "
          f"on its node ({r['memory_nodes']} node(s): "
          f"{'no partner copies' if r['memory_nodes'] == 1 else 'with its partner copies'})"),
         (f"plan cache hits {r['plan_cache_hits']} of {r['plan_cache_possible']} timed "

@@ -6,7 +6,8 @@
                               [--timeout SECONDS] [key=value ...]
     python -m <package>.drill --tier memory --save-ranks N --resume-ranks N --out DIR ...
 
-``--tier memory`` rehearses the memory tier's three losses instead (tools/drill_memory.py).
+``--tier memory`` rehearses the memory tier's three losses instead (tools/drill_memory.py,
+rendered with memory_tier).
 
 1. reference    S steps on N ranks without interruption.
 2. interrupted  the same run on N ranks, killed with SIGKILL (torchrun, its workers and
@@ -21,7 +22,7 @@
                 a random number of steps after the checkpoint, and checks that the
                 others stop by themselves within recovery.rendezvous_timeout_s and a
                 margin, exit 74, leave nothing running and no torn checkpoint
-                (tools/drill_nodes.py).
+                (tools/drill_nodes.py, rendered with multi_node_drill).
 3. resume       ``python -m <package>.resume --nproc-per-node M`` in the interrupted
                 run's directories, to step S: the command a launcher runs after a loss
                 (after a node loss: on the surviving node alone).
@@ -58,15 +59,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import PACKAGE
-from ..config import Config, ConfigError, load_config
+from ..config import Config, ConfigError, load_config, parts
 from ..launch.torchrun import positive_int, torchrun_command
 from ..loop.sampling import BatchSizeError, split_global_batch
 from ..loop.task_contract import check_config, load_task
 from ..runtime import exit_codes
 from ..runtime.metrics import Event, EventTail
 from ..runtime.output_dirs import IGNORE_FILE, make_output_dir
-from . import drill_memory, drill_nodes, drill_report
+from . import drill_report
 from .drill_report import DrillError
+from .local_nodes import Nodes
 from .process_tree import kill_tree, process_tree
 
 DEFAULT_STEPS = 24
@@ -80,8 +82,9 @@ SMALL_MODEL = ("model.d_model=32", "model.n_layers=1")
 # The drill decides these itself; setting them would break the comparison.
 OWNED_KEYS = {"train.max_steps": "--steps", "checkpoint.dir": "--out", "log.dir": "--out"}
 MARKER = ".drill"
+# With the memory tier's runs (tools/drill_memory.py, rendered with memory_tier).
 OUTPUTS = ("reference", "interrupted", "report.json", "report.md", "loss.png",
-           *drill_memory.OUTPUTS[1:])
+           "worker", "node", "job")
 POLL_S = 0.01
 
 
@@ -98,7 +101,7 @@ class Drill:
     cfg: Config
     timeout_s: float
     save_nodes: int = 1
-    tier: str = "durable"              # durable | memory (tools/drill_memory.py)
+    tier: str = "durable"              # durable | memory (the memory tier's drill)
     kill: str = "job"                  # job | node
     lost_node: int | str | None = None   # --kill node: which node is lost (an index, "rank0")
     started: float = field(default_factory=time.monotonic)
@@ -115,7 +118,7 @@ class Drill:
                                 nproc_per_node=self.save_ranks,
                                 max_restarts=self.cfg.recovery.max_restarts)
 
-    def node_commands(self, name: str, nodes: drill_nodes.Nodes) -> list[list[str]]:
+    def node_commands(self, name: str, nodes: Nodes) -> list[list[str]]:
         config = ["--config", self.config] if self.config else []
         return [nodes.command(node, config, self.run_dirs(name)) for node in range(nodes.count)]
 
@@ -205,6 +208,7 @@ def run_and_kill(drill: Drill, commands: list[list[str]], name: str) -> dict:
             killed_at = time.time()
             killed = sum(kill_tree(proc.pid) for proc in procs)
         else:
+            from . import drill_nodes
             if lost == drill_nodes.RANK0:
                 lost = drill_nodes.node_of_rank(0, base / "logs", procs)
                 if lost is None:
@@ -242,7 +246,7 @@ def run_drill(drill: Drill) -> dict:
         interrupted = [drill.train_command("interrupted")]
         drill.commands["interrupted"] = interrupted[0]
     else:
-        nodes = drill_nodes.Nodes.plan(drill.save_nodes, n)
+        nodes = Nodes.plan(drill.save_nodes, n)
         interrupted = drill.node_commands("interrupted", nodes)
         drill.commands.update({f"interrupted, node {node}": command
                                for node, command in enumerate(interrupted)})
@@ -253,9 +257,7 @@ def run_drill(drill: Drill) -> dict:
                "the reference run")
 
     where = f"{n} rank(s)" + (f" on {drill.save_nodes} nodes" if drill.save_nodes > 1 else "")
-    whom = ("the whole job" if drill.kill == "job" else "the node of rank 0"
-            if drill.lost_node == drill_nodes.RANK0 else f"node {drill.lost_node}"
-            + (" (the rendezvous host)" if drill.lost_node == 0 else ""))
+    whom = "the whole job" if drill.kill == "job" else _lost_node_name(drill.lost_node)
     drill.say(f"2/4 interrupted run on {where}: SIGKILL {whom} once step {k} is committed ...")
     kill = run_and_kill(drill, interrupted, "interrupted")
     before = drill_report.split_runs(drill.out / "interrupted" / "logs")[0]
@@ -358,11 +360,32 @@ def prepare(args: argparse.Namespace) -> Drill:
     config = str(Path(args.config).resolve()) if args.config else None
     return Drill(args.save_ranks, args.resume_ranks, args.steps, k, interval,
                  args.out.resolve(), config, overrides, cfg, float(args.timeout),
-                 save_nodes=args.save_nodes, kill=args.kill, lost_node=drill_nodes.lost_node(args))
+                 save_nodes=args.save_nodes, kill=args.kill, lost_node=_lost_node(args))
+
+
+def _lost_node_name(lost: int | str | None) -> str:
+    from . import drill_nodes
+    if lost == drill_nodes.RANK0:
+        return "the node of rank 0"
+    return f"node {lost}" + (" (the rendezvous host)" if lost == 0 else "")
+
+
+def _lost_node(args: argparse.Namespace) -> int | str | None:
+    """The node ``--kill node`` loses (None for one node and ``--kill job``); more than one
+    node needs the multi-node drill (tools/drill_nodes.py, rendered with multi_node_drill)."""
+    if args.save_nodes == 1 and args.kill == "job" and args.lost_node is None:
+        return None
+    if not parts.rendered(parts.NODE_DRILL):
+        raise ValueError(parts.missing(parts.NODE_DRILL, f"--save-nodes {args.save_nodes}"
+                                       if args.save_nodes > 1 else f"--kill {args.kill}"))
+    from . import drill_nodes
+    return drill_nodes.lost_node(args)
 
 
 def prepare_memory(args: argparse.Namespace) -> Drill:
     """``--tier memory``: N = M, even; durable checkpoints every K, memory copies more often."""
+    if not parts.rendered(parts.MEMORY_TIER):
+        raise ValueError(parts.missing(parts.MEMORY_TIER, "--tier memory"))
     if args.save_ranks != args.resume_ranks or args.save_ranks < 2 or args.save_ranks % 2:
         raise ValueError("--tier memory needs --save-ranks N = --resume-ranks N, N even and at "
                          "least 2 (memory copies are restored on the world size that made "
@@ -456,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main_memory(drill: Drill) -> int:
+    from . import drill_memory  # rendered with memory_tier: prepare_memory checked it
     drill.say(f"drill of the memory tier: {drill.save_ranks} ranks, {drill.steps} steps, durable "
               f"checkpoints every {drill.interval}; output in {drill.out}")
     try:

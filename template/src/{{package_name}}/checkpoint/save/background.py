@@ -5,7 +5,7 @@ DCP starts its process checkpointer at the first ``async_save``; a tiny save of 
 at start-up instead, where a failure costs a bounded wait. Training does not wait for
 it: ``start_checkpoint_process`` returns once the process is spawned (its log lines,
 INFO to its standard error, go to a file), and the first save waits for it to be up
-(``CheckpointManager.wait_ready``). The process (a new Python importing torch: 1.5 to 2
+(``SavePipeline.wait_ready``). The process (a new Python importing torch: 1.5 to 2
 s on a 2-core machine) starts while the first steps train.
 """
 

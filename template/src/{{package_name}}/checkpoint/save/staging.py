@@ -14,7 +14,7 @@ each tensor's data into the buffer it used last time and rebuilds only the dicts
 and tuples around them. Anything it does not recognise (another structure, a leaf that
 is not a plain value or tensor) goes through DCP's own deep copy, which also refreshes
 what the fast path reuses. The buffers are reused, so a save may only be staged after
-the previous one has been written: the checkpoint manager already keeps to that.
+the previous one has been written: the checkpoint pipeline already keeps to that.
 """
 
 from __future__ import annotations

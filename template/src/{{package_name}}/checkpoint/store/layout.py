@@ -1,4 +1,4 @@
-"""The commit protocol: how a checkpoint is named, committed, found again and retired.
+"""The layout of checkpoint.dir: how a checkpoint is named, committed, found again and retired.
 
     <root>/step_000000120/          a committed checkpoint
         .metadata                   DCP's global tensor layout (written by the coordinator)

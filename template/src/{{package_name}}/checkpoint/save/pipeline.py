@@ -81,7 +81,7 @@ class _InFlight:
     given_up: bool = False            # abandoned: the commit must not happen any more
 
 
-class CheckpointManager:
+class SavePipeline:
     """Saves, commits, retires and loads checkpoints under one root."""
 
     def __init__(self, storage: Storage, *, mode: AsyncMode, keep_last: int,
@@ -219,6 +219,11 @@ class CheckpointManager:
     @property
     def in_flight(self) -> bool:
         return self._inflight is not None
+
+    @property
+    def in_flight_s(self) -> float:
+        """Seconds since the save in flight started (0.0 with none)."""
+        return time.perf_counter() - self._inflight.started if self._inflight is not None else 0.0
 
     @property
     def in_flight_step(self) -> int | None:
