@@ -96,7 +96,7 @@ def test_a_replacement_node_rejoins_and_training_continues_in_place(tmp_path):
                    and any(e["step"] >= 12 for e in read_events(logs, "step")),
                    procs[0], "checkpoint 10 and step 12 on two nodes",
                    log_file=tmp_path / "node0.log")
-        project_module("tools.process_tree").kill_tree(procs[1].pid)
+        project_module("runtime.process_tree").kill_tree(procs[1].pid)
         procs[1].wait()
         time.sleep(2)
         procs[1] = node(1, "node1-replacement.log")
@@ -104,7 +104,7 @@ def test_a_replacement_node_rejoins_and_training_continues_in_place(tmp_path):
     finally:
         for proc in procs:
             if proc.poll() is None:
-                project_module("tools.process_tree").kill_tree(proc.pid)
+                project_module("runtime.process_tree").kill_tree(proc.pid)
     assert codes == [0, 0], (tmp_path / "node0.log").read_text()[-3000:]
     starts = read_events(Path(dirs["logs"]), "start")
     assert [(e["step"], e["restart"], e["world_size"]) for e in starts] == [(0, 0, 2),

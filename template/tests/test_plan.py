@@ -20,7 +20,7 @@ DEFAULTS = (8.0, 2.0, 10.0, 10.0, 120.0, 5.0)  # M (h), T, δ, L, R (s), target 
 
 @pytest.fixture(scope="module")
 def plan():
-    return project_module("interval.command")
+    return project_module("tools.plan")
 
 
 @pytest.fixture(scope="module")

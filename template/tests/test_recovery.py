@@ -220,7 +220,7 @@ def test_the_plan_tells_in_place_restarts_from_reschedules(tmp_path, capsys):
     metrics.write_text("".join(json.dumps(e) + "\n" for e in events))
     measured = model.read_metrics(metrics)
     assert (measured.in_place_restart_seconds, measured.in_place_restart_count) == (9.0, 3)
-    code = project_module("interval.command").main(["--metrics", str(metrics), "--json", "--mtbi-hours",
+    code = project_module("tools.plan").main(["--metrics", str(metrics), "--json", "--mtbi-hours",
                                         "8", "--restart-seconds", "120", "--crash-share", "0.5",
                                         "--badput-target-percent", "5"])
     got = json.loads(capsys.readouterr().out)

@@ -1,11 +1,11 @@
 """The checkpoint interval plan on the command line.
 
-The command `python -m <package>.plan`; its code and usage are in `interval/command.py`.
+The command `python -m <package>.plan`; its code and usage are in `tools/plan.py`.
 """
 
 import sys
 
-from .interval.command import main
+from .tools.plan import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -228,6 +228,12 @@ class Checkpointer:
         self.pipeline.wait()
 
     @property
+    def synchronous(self) -> bool:
+        """Whether saves are written synchronously (checkpoint.async_mode sync, or since
+        a background save failed or the checkpoint process did not start)."""
+        return self._saves().synchronous
+
+    @property
     def failed_saves(self) -> int:
         return self.pipeline.failed_saves
 

@@ -95,7 +95,7 @@ partner). ``memory_shards_per_rank`` says so; the copies are freed when the job 
 The copy-time numbers (includes/plan.jinja in the template) repeat these
 expressions in Jinja; the template's tests hold the two together. Text, Markdown
 and plots of a plan are in interval.report and interval.plot; the command line is
-interval.command (`python -m <package>.plan`).
+tools/plan.py (`python -m <package>.plan`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .. import PACKAGE
 from ..runtime import exit_codes
-from ..tools.process_tree import kill_tree, process_tree
+from ..runtime.process_tree import kill_tree, process_tree
 
 FAULT_KINDS = ("worker", "term", "kill")
 QUEUE_S = 0.5          # the launcher's pause before it starts the job again

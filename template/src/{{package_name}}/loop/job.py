@@ -39,11 +39,11 @@ from ..checkpoint import (
     IncompatibleCheckpoint,
 )
 from ..checkpoint.save.background import quiet_checkpoint_process_exit, stop_background_processes
-from ..config import Config, ConfigError, load_config, to_plain_dict
+from ..config import Config, ConfigError, NoticeSource, load_config, to_plain_dict
 from ..ledger.history import HistorySink
 from ..preemption.launcher import LauncherWatch
 from ..preemption.stop import StopCoordinator
-from ..preemption.watch import PreemptionWatch, effective_grace_s, start_notice_poller
+from ..preemption.watch import PreemptionWatch, effective_grace_s
 from ..recovery.attempts import FAILURES, Attempt, cause, gather_previous
 from ..recovery.progress_guard import ProgressGuard
 from ..recovery.watchdog import StepWatchdog
@@ -104,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     previous = cause(gather_previous(attempt, runtime.world_size))
     attempt.begin()
     # Cloud notices (preemption.notice_source) feed the same watch as signals.
-    poller = start_notice_poller(cfg.preemption, watch, runtime.local_rank)
+    poller = None
+    if cfg.preemption.notice_source != NoticeSource.none:   # rendered with a cloud answer
+        from ..preemption.notices import start_notice_poller
+        poller = start_notice_poller(cfg.preemption, watch, runtime.local_rank)
     metrics = MetricsLog(cfg.log.dir if runtime.is_main else None)
     grace = effective_grace_s(cfg.preemption)
     if grace < cfg.preemption.grace_period_s:

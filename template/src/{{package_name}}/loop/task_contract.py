@@ -72,7 +72,7 @@ MOVED_MODULES = {
         ("compat", "load.compat"))},
     "train": ("loop.job",),
     "resume": ("launch.supervisor",),
-    "plan": ("interval.command",),
+    "plan": ("tools.plan",),
     **{name: (f"tools.{name}",) for name in ("bench", "drill", "export", "verify",
                                              "memcheck", "prepare_data")},
 }

@@ -1,6 +1,6 @@
 """Preemption: notice that the machine is going away and ask the loop to stop.
 
-A signal handler (or a cloud-notice poller) only records the request; the training
+A signal handler (or a cloud-notice poller, notices.py) only records the request; the training
 loop reads it at a step boundary, where all ranks vote so that they stop at the same
 step even when only one of them was told.
 
@@ -18,14 +18,10 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..config import NoticeSource, PreemptionConfig
 from ..runtime.exit_codes import INTERRUPTED as INTERRUPTED_EXIT
 from . import early
-
-if TYPE_CHECKING:
-    from .notices import NoticePoller
 
 log = logging.getLogger(__name__)
 
@@ -110,21 +106,4 @@ def effective_grace_s(cfg: PreemptionConfig) -> float:
     return cfg.grace_period_s if window is None else min(cfg.grace_period_s, window)
 
 
-def start_notice_poller(cfg: PreemptionConfig, watch: PreemptionWatch,
-                        local_rank: int) -> NoticePoller | None:
-    """Start polling the configured cloud's notices on local rank 0; None elsewhere.
-
-    One process per node is enough: the notice is about the machine, and the vote at
-    the next step boundary tells every rank. The pollers are in notices.py, rendered with
-    a ``cloud`` answer (the config refuses a notice source without them: config/parts.py).
-    """
-    if NoticeSource(cfg.notice_source) == NoticeSource.none or local_rank != 0:
-        return None
-    from .notices import start_polling
-    return start_polling(cfg, watch)
-
-
-__all__ = [
-    "NOTICE_WINDOW_S", "PreemptionWatch", "StopRequest", "effective_grace_s",
-    "start_notice_poller",
-]
+__all__ = ["NOTICE_WINDOW_S", "PreemptionWatch", "StopRequest", "effective_grace_s"]

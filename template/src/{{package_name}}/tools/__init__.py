@@ -1,1 +1,1 @@
-"""The tools behind the commands: bench, drill, export, verify, memcheck, prepare_data."""
+"""The tools behind the commands: plan, bench, drill, export, verify, memcheck, prepare_data."""

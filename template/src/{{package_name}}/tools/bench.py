@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             return exit_codes.BAD_INPUT
         warm_up_s = time.perf_counter() - began
         pipeline = bench.checkpointer.pipeline
-        if any_rank(bench.checkpointer.policy.synchronous)[0]:
+        if any_rank(bench.checkpointer.synchronous)[0]:
             print(f"error: {pipeline.last_error or 'the checkpoint process did not start'}",
                   file=sys.stderr)
             return exit_codes.BAD_INPUT

@@ -66,10 +66,10 @@ from ..loop.task_contract import check_config, load_task
 from ..runtime import exit_codes
 from ..runtime.metrics import Event, EventTail
 from ..runtime.output_dirs import IGNORE_FILE, make_output_dir
+from ..runtime.process_tree import kill_tree, process_tree
 from . import drill_report
 from .drill_report import DrillError
 from .local_nodes import Nodes
-from .process_tree import kill_tree, process_tree
 
 DEFAULT_STEPS = 24
 # The default save interval is the largest divisor of K up to this, so that a few

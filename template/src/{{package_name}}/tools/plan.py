@@ -1,4 +1,5 @@
-"""The checkpoint interval plan on the command line.
+"""The `plan` command: the checkpoint interval plan (interval/) on the command line, with
+what the interruption history measured (ledger/).
 
     python -m <package>.plan --help
 
@@ -20,13 +21,7 @@ from pathlib import Path
 from .. import PACKAGE
 from ..checkpoint.store.storage import open_storage
 from ..config import DEFAULT_CONFIG, Config, ConfigError, load_config
-from ..ledger.advice import inputs_from, mtbi_notice, run_ledger
-from ..ledger.advice import measured as ledger_measured
-from ..ledger.command import summarize
-from ..ledger.mtbi import describe as describe_mtbi
-from ..ledger.report import render_ledger_section
-from ..runtime import exit_codes
-from .formulas import (
+from ..interval.formulas import (
     Inputs,
     MetricsError,
     PlanInputError,
@@ -35,9 +30,9 @@ from .formulas import (
     make_two_tier,
     read_metrics,
 )
-from .inputs import FLAGS, configured_inputs
-from .plot import PLOT_SUFFIXES, PlotUnavailable, plot_badput
-from .report import (
+from ..interval.inputs import FLAGS, configured_inputs
+from ..interval.plot import PLOT_SUFFIXES, PlotUnavailable, plot_badput
+from ..interval.report import (
     checklist_language,
     format_plan,
     format_two_tier,
@@ -47,6 +42,12 @@ from .report import (
     two_tier_json,
     write_atomically,
 )
+from ..ledger.advice import inputs_from, mtbi_notice, run_ledger
+from ..ledger.advice import measured as ledger_measured
+from ..ledger.command import summarize
+from ..ledger.mtbi import describe as describe_mtbi
+from ..ledger.report import render_ledger_section
+from ..runtime import exit_codes
 
 # Without a flag or a config: assumptions (half of the interruptions are crashes, a fifth
 # node losses) and the default node count (one node, so the job's MTBI is the node's).
