@@ -11,8 +11,8 @@ allows (``stop``), and the decision says stop.
 
 Every wait is bounded and shared: the ranks wait for a save in flight together, and give
 it up together when it fails on any rank or outlasts ``checkpoint.wait_timeout_s``. A
-due save does not wait for a predecessor that is overdue (in flight longer than
-``OVERDUE_MIN_S`` or ``OVERDUE_FACTOR`` times the newest write: storage slow or away,
+due save does not wait for a predecessor that is overdue (in flight longer than both
+``OVERDUE_MIN_S`` and ``OVERDUE_FACTOR`` times the newest write: storage slow or away,
 an object store's client retrying): it is left to the next due step and training goes
 on, so an outage of the storage costs checkpoints, not steps.
 After a background save has failed on any rank (e.g. DCP's checkpoint process died: it

@@ -78,7 +78,7 @@ def require(condition: bool, key: str, message: str, value: object) -> None:
         raise ConfigError(f"{key} {message} (got {value!r})")
 
 
-def rendered(part: parts.Part, off: bool, setting: str, **answer: str) -> None:
+def require_part(part: parts.Part, off: bool, setting: str, **answer: str) -> None:
     """A setting that turns on an optional part (``off`` false) needs the part rendered."""
     if not off and not parts.rendered(part):
         raise ConfigError(parts.missing(part, setting, **answer))
@@ -173,8 +173,8 @@ class CheckpointConfig:
         require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", self.keep_last)
         require(self.memory_interval_steps >= 0, "checkpoint.memory_interval_steps",
                 "must be >= 0 (0 = off)", self.memory_interval_steps)
-        rendered(parts.MEMORY_TIER, not self.memory_interval_steps,
-                 f"checkpoint.memory_interval_steps={self.memory_interval_steps}")
+        require_part(parts.MEMORY_TIER, not self.memory_interval_steps,
+                     f"checkpoint.memory_interval_steps={self.memory_interval_steps}")
         require(bool(self.memory_dir.strip()) and not _URL.match(self.memory_dir),
                 "checkpoint.memory_dir", "must be a local directory (a tmpfs such as /dev/shm)",
                 self.memory_dir)
@@ -221,8 +221,8 @@ class PreemptionConfig:
         require(self.poll_interval_s > 0, "preemption.poll_interval_s", "must be > 0",
                  self.poll_interval_s)
         source = NoticeSource(self.notice_source)
-        rendered(parts.CLOUD_NOTICES, source == NoticeSource.none,
-                 f"preemption.notice_source={source.value}", cloud=source.value)
+        require_part(parts.CLOUD_NOTICES, source == NoticeSource.none,
+                     f"preemption.notice_source={source.value}", cloud=source.value)
         require(self.metadata_url == "" or self.metadata_url.startswith(("http://", "https://")),
                  "preemption.metadata_url",
                  "must be empty (the cloud's own address) or an http:// or https:// URL",
@@ -255,8 +255,8 @@ class RecoveryConfig:
                      "must be a finite number of seconds > 0", value)
         require(math.isfinite(self.straggler_ratio) and self.straggler_ratio > 1,
                  "recovery.straggler_ratio", "must be a finite number > 1", self.straggler_ratio)
-        rendered(parts.STRAGGLERS, not self.straggler_every_steps,
-                 f"recovery.straggler_every_steps={self.straggler_every_steps}")
+        require_part(parts.STRAGGLERS, not self.straggler_every_steps,
+                     f"recovery.straggler_every_steps={self.straggler_every_steps}")
         # A hung step must meet the watchdog (stacks, a `hang` event, exit 124) before the
         # process group's own timeout aborts the collective it hangs in (NCCL: exit -6,
         # no event): every watchdog bound stays below the collective bound.
@@ -279,7 +279,7 @@ class LogConfig:
         for name in self.trackers:
             require(name in TRACKERS, "log.trackers", f"names one of {', '.join(TRACKERS)}",
                     name)
-        rendered(parts.TRACKERS, not self.trackers, f"log.trackers={list(self.trackers)}")
+        require_part(parts.TRACKERS, not self.trackers, f"log.trackers={list(self.trackers)}")
 
 
 @dataclass
