@@ -129,7 +129,7 @@ def test_full_project_own_test_suite_passes(full_project, tmp_path, half):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-             "--run-slow", "--basetemp", str(tmp_path / half), *[f"tests/{f}" for f in chosen]],
+             "--run-slow", "--durations=30", "--basetemp", str(tmp_path / half), *[f"tests/{f}" for f in chosen]],
             cwd=full_project, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         code = proc.wait(timeout=3600)

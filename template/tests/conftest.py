@@ -165,22 +165,22 @@ def project_module(name: str):
 
 
 def start(module: str, *args: str, log_file: Path, nproc: int | None = None,
-          cwd: Path = ROOT) -> subprocess.Popen:
+          cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``python -m <package>.<module> args`` without waiting for it.
 
     With ``nproc``, start it under torchrun, with the command line built by the project's
     own ``launch.torchrun_command`` from the same overrides, so that SIGUSR1 is forwarded
     and the shutdown timeout fits the grace period. The job gets a session of its own, so
     a test can signal its top process alone, as a scheduler does. stdout and stderr go
-    to ``log_file``.
+    to ``log_file``; ``env`` adds variables to its environment.
     """
     if nproc is None:
         cmd = [sys.executable, "-m", f"{PACKAGE}.{module}", *args]
     else:
         cmd = torchrun_command(module, list(args), nproc)
     with open(log_file, "w", encoding="utf-8") as out:
-        return subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(cmd, cwd=cwd, env={**_env(), **(env or {})}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_until(condition, proc: subprocess.Popen, what: str, timeout: float = 180,

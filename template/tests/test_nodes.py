@@ -113,6 +113,33 @@ def test_a_replacement_node_rejoins_and_training_continues_in_place(tmp_path):
     assert max(e["step"] for e in read_events(Path(dirs["logs"]), "step")) == 40
 
 
+def test_the_start_counts_the_jobs_restart_when_rank_0_is_on_a_replacement_node(tmp_path):
+    """The rendezvous orders the nodes by address and pid, so after a replacement node
+    joins, global rank 0 may be on it: its torchrun counts restart 0 while its peer's
+    counts 1. The start event (which the ledger reads to tell an in-place restart from a
+    new job) carries the job's count, the highest. Two ranks started by hand, each the
+    only rank of its "node", with the environment torchrun gives them."""
+    dirs = {"ckpt": str(tmp_path / "ckpt"), "logs": str(tmp_path / "logs")}
+    port = str(project_module("tools.local_nodes").free_port())
+    procs = []
+    try:
+        for rank, restart in ((0, 0), (1, 1)):   # rank 0: the replacement's new worker
+            env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                   "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                   "TORCHELASTIC_RESTART_COUNT": str(restart),
+                   "TORCHELASTIC_MAX_RESTARTS": "3"}
+            procs.append(start("train", *overrides(dirs, "train.max_steps=2"),
+                               log_file=tmp_path / f"rank{rank}.log", env=env))
+        codes = [finish(proc, 300) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert codes == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    starts = read_events(Path(dirs["logs"]), "start")
+    assert [(e["restart"], e["world_size"]) for e in starts] == [(1, 2)]
+
+
 # --------------------------------------------- how resume reads a node loss --
 def _record(exits: Path, rank: int, state: str, restart: int, started: float) -> None:
     exits.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,7 @@ from ..runtime.distributed import (
     BackendUnavailable,
     Runtime,
     decide_on_rank0,
+    highest,
     setup,
     teardown,
 )
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     # How the previous start ended, on every rank, before this one writes its own record.
     attempt = Attempt(cfg.log.dir, runtime.rank)
     previous = cause(gather_previous(attempt, runtime.world_size))
+    attempt.job_restart = highest(attempt.restart)
     attempt.begin()
     # Cloud notices (preemption.notice_source) feed the same watch as signals.
     poller = None
@@ -133,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException as exc:
             attempt.crashed(exc)
             metrics.event(Event.end, status=exit_codes.FAILED,
-                          reason=f"crashed: {error_line(exc)}", restart=attempt.restart)
+                          reason=f"crashed: {error_line(exc)}", restart=attempt.job_restart)
             raise
         attempt.ended(code, reason)
-        metrics.event(Event.end, status=code, reason=reason, restart=attempt.restart)
+        metrics.event(Event.end, status=code, reason=reason, restart=attempt.job_restart)
         _no_restart_in_place(code, stop, runtime, attempt)
     finally:
         if poller is not None:
@@ -236,11 +238,11 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: Stop
                   resumed_from=resumed.path if resumed else None,
                   resumed_tier=resumed.tier if resumed else None,
                   saved_world_size=resumed.world_size if resumed else None,
-                  restart=attempt.restart, max_restarts=attempt.max_restarts,
+                  restart=attempt.job_restart, max_restarts=attempt.max_restarts,
                   cause=previous, failed_starts=failed_starts,
                   failure_to_start_s=time.time() - failed_at if failed_at else None)
     if failed:
-        how = (f"restart {attempt.restart} of {attempt.max_restarts} in place" if
+        how = (f"restart {attempt.job_restart} of {attempt.max_restarts} in place" if
                attempt.in_place else "start")
         metrics.say(f"{how} after a failure: {previous['summary']}")
     metrics.say(
@@ -299,7 +301,7 @@ def _first_step(metrics: MetricsLog, attempt: Attempt, previous: dict[str, Any] 
     """The first step of this start: its phases, and after a failure what it cost."""
     phases.mark(Phase.first_step)
     for row in phases.timeline(previous if failed else None):
-        metrics.event(Event.phase, step=step, restart=attempt.restart, **row)
+        metrics.event(Event.phase, step=step, restart=attempt.job_restart, **row)
     if failed:
         _recovered(metrics, attempt, previous, step)
 
@@ -309,7 +311,7 @@ def _recovered(metrics: MetricsLog, attempt: Attempt, previous: dict[str, Any],
     """The first step after a start that followed a failure: how long the failure cost."""
     failed_at = previous.get("failed_at")
     seconds = time.time() - failed_at if failed_at else None
-    metrics.event(Event.recovered, step=step, restart=attempt.restart,
+    metrics.event(Event.recovered, step=step, restart=attempt.job_restart,
                   in_place=attempt.in_place, cause_kind=previous["kind"],
                   failure_to_first_step_s=seconds)
     if seconds is not None:
@@ -321,7 +323,7 @@ def _watchdog(cfg: Config, runtime: Runtime, attempt: Attempt) -> StepWatchdog:
     def on_hang(step: int | None, waited_s: float, bound_s: float) -> None:
         attempt.hung(waited_s, bound_s)
         append_event(cfg.log.dir, Event.hang, rank=runtime.rank, step=step,
-                     waited_s=waited_s, timeout_s=bound_s, restart=attempt.restart)
+                     waited_s=waited_s, timeout_s=bound_s, restart=attempt.job_restart)
         stop_background_processes()   # os._exit follows: leave no child behind
 
     return StepWatchdog(rank=runtime.rank, step_timeout_s=cfg.recovery.step_timeout_s,

@@ -58,6 +58,10 @@ class Attempt:
         self.dir = Path(log_dir) / EXITS_DIR
         self.rank = rank
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        # The job's count: the highest of every rank's (job.py sets it after the
+        # rendezvous). A replacement node's torchrun counts from 0 while its peers have
+        # restarted in place, and global rank 0 may be on it.
+        self.job_restart = self.restart
         self.max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
         self.run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
         self.started = time.time()
@@ -73,8 +77,8 @@ class Attempt:
 
     @property
     def in_place(self) -> bool:
-        """Whether torchrun restarted the workers in place to make this start."""
-        return self.restart > 0
+        """Whether torchrun restarted the workers in place, on any node, for this start."""
+        return self.job_restart > 0
 
     @property
     def restarts_left(self) -> int:

@@ -94,7 +94,7 @@ def teardown() -> None:
 
 
 # ---------------------------------------------------------------- collectives --
-# Every part of the harness that must decide alike on every rank uses these two: one
+# Every part of the harness that must decide alike on every rank uses these: one
 # rank decides what only it knows (what committed, which checkpoint to load, whether
 # the lease is held), or every rank reports a flag and all learn whether any raised it.
 
@@ -138,3 +138,12 @@ def any_rank(*flags: bool) -> tuple[bool, ...]:
     tensor = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tuple(bool(v) for v in tensor.tolist())
+
+
+def highest(value: int) -> int:
+    """The largest of every rank's ``value`` (one small all-reduce)."""
+    if not _several_ranks():
+        return int(value)
+    tensor = torch.tensor([int(value)], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
