@@ -29,9 +29,9 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.demo-installed
 	$(PY) -c "import torch; print('torch', torch.__version__)"
 	touch $@
 
-# Two workers: one runs a default render's own suite (itself in two halves side by side,
-# tests/test_render.py), the other every other test; an idle worker takes over tests
-# still queued for the busy one (worksteal).
+# Two workers: each starts with one half of the full render's own suite (every optional
+# part, tests/test_render.py), then takes the other tests; an idle worker takes over
+# tests still queued for the busy one (worksteal).
 test: venv
 	$(PY) -m pytest -n 2 --dist worksteal tests
 

@@ -6,7 +6,8 @@
 1. calibrate    a short run measures the step time T, the save's stall δ and its commit
                 latency L; the plan's interval N = Daly(δ, M) / T for M = --mtbi-seconds
                 (interval/formulas.py), and train.max_steps is set so that the run
-                trains for about a third of --minutes.
+                trains for about a third of --minutes, and for at least
+                MIN_TRAINING_MTBIS times M (faults must reach training, not only starts).
 2. reference    train.max_steps on R ranks, never interrupted.
 3. faults       for each interval multiplier m (--intervals; default 1): the same run at
                 round(m·N) steps between saves, under the same fault times: a Poisson
@@ -58,6 +59,10 @@ from .soak_run import FAULT_KINDS, Fault, SoakRunError, run_with_faults, start_j
 SMALL = ["model.d_model=32", "model.n_layers=1", "eval.at_end=false", "eval.every_steps=0",
          "log.every_steps=1000000", "checkpoint.keep_last=2", "loader.num_workers=0"]
 CALIBRATION_STEPS = 60
+# A run trains for at least this many MTBIs: on a busy machine the calibration takes most
+# of --minutes, and a run sized to what is left ended before a fault reached its steps
+# (every fault hit a start or the exit: 0 interruptions to judge the plan by).
+MIN_TRAINING_MTBIS = 2.0
 TIMER_FLOOR_PERCENT = 1.0
 
 
@@ -148,7 +153,8 @@ def calibrate(soak: Soak) -> None:
     startup = max(spent - CALIBRATION_STEPS * soak.step_s, 1.0)
     stretch = 1.0 / (1.0 - min(startup / soak.args.mtbi_seconds, 0.6))
     budget = max(soak.args.minutes * 60 - spent, 30.0)
-    training_s = max(budget / (1 + stretch * len(soak.args.multipliers)) - startup, 10.0)
+    training_s = max(budget / (1 + stretch * len(soak.args.multipliers)) - startup,
+                     MIN_TRAINING_MTBIS * soak.args.mtbi_seconds)
     soak.max_steps = max(int(training_s / soak.step_s), 4 * soak.interval_steps, 20)
     horizon = soak.args.minutes * 60 * 4       # more than any run lasts
     soak.faults = fault_times(soak.args.seed, soak.args.mtbi_seconds, horizon)
