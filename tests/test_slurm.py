@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from slurm_cluster import Cluster, reason_unavailable
 
-from conftest import events, render
+from conftest import events, free_port, render
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,10 @@ def submit(slurm: Cluster, project: Path, run: Path, *args: str, sbatch=()) -> s
     proc = slurm.run("sbatch", "--parsable", *sbatch, "launch/slurm.sbatch", *TRAIN, *args,
                      f"checkpoint.dir={run / 'ckpt'}", f"log.dir={run / 'logs'}",
                      cwd=project, env={"PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-                                       "PYTHONPATH": str(project / "src")})
+                                       "PYTHONPATH": str(project / "src"),
+                                       # Another cluster's job (a second xdist worker's)
+                                       # has the same id, so the same default port.
+                                       "RDZV_PORT": str(free_port())})
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
 

@@ -149,7 +149,7 @@ def overrides_for(*base: str):
 
 @pytest.fixture
 def ckpt():
-    """The commit protocol's modules: (checkpoint.store.layout, checkpoint.store.storage)."""
+    """The layout's modules: (checkpoint.store.layout, checkpoint.store.storage)."""
     return project_module("checkpoint.store.layout"), project_module("checkpoint.store.storage")
 
 

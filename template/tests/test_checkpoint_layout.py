@@ -1,4 +1,4 @@
-"""The commit protocol on plain files: what counts as a checkpoint and what does not."""
+"""The layout of checkpoint.dir on plain files: what counts as a checkpoint and what does not."""
 
 import json
 

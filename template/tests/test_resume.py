@@ -226,7 +226,7 @@ while True:
 
 
 def prepared_checkpoint(root: Path, step: int, reason: str) -> Path:
-    """A committed checkpoint made by the commit protocol itself, in ``root/prepared``."""
+    """A committed checkpoint made by the layout's own commit, in ``root/prepared``."""
     layout = project_module("checkpoint.store.layout")
     storage = project_module("checkpoint.store.storage").LocalStorage(root / "staging")
     dcp.save({"w": torch.zeros(4)}, storage_writer=storage.writer(

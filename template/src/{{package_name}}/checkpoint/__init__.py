@@ -6,7 +6,7 @@ save decisions beside it (``policy.py``, ``failed_saves.py``), the training stat
               (rendered with the copier answer memory_tier)
     save/     the save pipeline: async save, staging, the background process
     load/     which checkpoint to load, read once and checked as it is read
-    store/    where checkpoints live: storage, the commit protocol, checksums, lease
+    store/    where checkpoints live: storage, the layout (name, commit, retire), checksums, lease
 """
 
 from .checkpointer import Checkpointer, CheckpointRefused, StepDecision, TrainingState

@@ -5,7 +5,7 @@ whoever can write to a checkpoint directory could run code in the job. ``load_me
 unpickles it with an unpickler that knows only the classes DCP's metadata is made of
 (checked against real files from sync, thread and process saves, FSDP2 on one and two
 ranks, local and fsspec storage) and refuses anything else with
-``UnsafeCheckpointError`` before it is built. The commit protocol reads it this way
+``UnsafeCheckpointError`` before it is built. The layout reads it this way
 (``layout.py``); so do the load's readers (``load/safe_load.py``).
 """
 

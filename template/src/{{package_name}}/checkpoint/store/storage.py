@@ -2,7 +2,7 @@
 
 Everything above this module speaks in names relative to the checkpoint root. A local
 (or network-mounted) filesystem can rename a directory atomically; an object store
-cannot, which is why the commit protocol never relies on rename alone: the
+cannot, which is why the layout's commit never relies on rename alone: the
 ``commit.json`` file written last is what makes a checkpoint count.
 
 A little over 400 lines: the two storages, their probe, and telling a refusal from an
