@@ -21,7 +21,7 @@ from test_integrity import save_and_commit
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from conftest import moto_s3, run_module
+from conftest import moto_s3, project_module, run_module
 
 TRAIN = ["model.d_model=32", "model.n_layers=1", "train.max_steps=2"]
 
@@ -153,6 +153,14 @@ def test_a_failed_save_is_one_sentence_with_path_and_errno(tmp_path, ckpt, code)
     name = errno.errorcode[code]
     assert text == (f"checkpoint save to {path} failed (rank 0): "
                     f"{os.strerror(code).lower()} ({name})")
+
+
+def test_a_failed_save_that_is_not_an_os_error_names_the_exception():
+    """A KeyError's text alone is a bare key (torch 2.11's stager: ``<class 'type'>``)."""
+    storage_mod = project_module("checkpoint.store.storage")
+    relayed = CheckpointException("write", {0: (KeyError(type), None)})
+    assert storage_mod.describe_save_error(relayed, "s3://b/x") == \
+        "checkpoint save to s3://b/x failed (rank 0): KeyError: <class 'type'>"
 
 
 def test_a_full_disk_during_a_save_is_named(tmp_path, tmpfs, ckpt, monkeypatch):

@@ -53,6 +53,7 @@ from ..loop.sampling import BatchSizeError, split_global_batch
 from ..loop.task_contract import check_config, load_task
 from ..preemption import early
 from ..runtime import exit_codes, phases
+from ..runtime.distributed import torch_too_old
 from .agent import as_agent
 from .torchrun import DEFAULT_RDZV_ID, positive_int, rdzv_conf, torchrun_command
 from .verdict import (
@@ -207,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     # for --dry-run's JSON.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
+    too_old = torch_too_old()
+    if too_old is not None:   # before torchrun, whose options it may not know
+        print(f"resume: {too_old}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
     where = "checkpoint.dir"
     try:
         cfg = load_config(args.config, args.overrides)

@@ -55,6 +55,7 @@ from ..runtime.distributed import (
     highest,
     setup,
     teardown,
+    torch_too_old,
 )
 from ..runtime.exit_codes import error_line
 from ..runtime.metrics import Event, MetricsLog, append_event
@@ -85,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    too_old = torch_too_old()
+    if too_old is not None:
+        print(f"error: {too_old}", file=sys.stderr)
         return exit_codes.BAD_INPUT
 
     watch = PreemptionWatch(cfg.preemption.signals)

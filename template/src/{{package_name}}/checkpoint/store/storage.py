@@ -326,7 +326,10 @@ def describe_save_error(exc: BaseException, path: str) -> str:
     for cause in causes(inner):
         if isinstance(cause, OSError) and cause.errno:
             return f"checkpoint save to {path} failed{where}: {_os_cause(cause)}"
-    message = str(inner).strip().splitlines()[-1] if str(inner).strip() else type(inner).__name__
+    text = str(inner).strip().splitlines()
+    message = text[-1] if text else type(inner).__name__
+    if text and not isinstance(inner, RuntimeError):   # a KeyError's text is a bare key
+        message = f"{type(inner).__name__}: {message}"
     if "unexpected pos" in message:  # torch's zip writer: fewer bytes reached the file
         message += " (a write came up short)"
     hint = ""
