@@ -36,9 +36,9 @@ def _free_port() -> int:
 
 
 # The oldest torch release this project runs on (pyproject.toml says the same; a test
-# checks that both agree). torch 2.11's DCP stager cannot copy every state a save holds
-# (KeyError: <class 'type'> at a background save, seen on a GPU machine) and its torchrun
-# has no --shutdown-timeout.
+# checks that both agree). torch 2.11's DCP stager cannot copy FSDP2's DTensors (their
+# specs hold classes: KeyError: <class 'type'> at a background save, seen on a GPU
+# machine), and its torchrun has no --shutdown-timeout.
 MIN_TORCH = (2, 12)
 
 
