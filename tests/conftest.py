@@ -78,19 +78,21 @@ def full_project(tmp_path_factory) -> Path:
     return render(tmp_path_factory.mktemp("full") / "my-run", **FULL)
 
 
-# The longest tests first: the two halves of the full render's suite, the first at the
-# head of the list and the second at its middle, so that with `pytest -n 2 --dist
-# worksteal` (make test: each worker starts from its half of the list) each worker
-# starts one at once; the upgrade test, the next longest, follows the first.
-LONGEST = ("test_full_project_own_test_suite_passes[first]",
-           "test_a_v0_1_0_project_updates_passes_its_own_suite_and_resumes_its_checkpoint",
-           "test_full_project_own_test_suite_passes[second]")
+# The longest tests first, so that with `pytest -n 2 --dist worksteal` (each worker
+# starts from its half of the list) each worker starts one at once: make test's two
+# halves of the full render's suite, the first at the head of the list and the second
+# at its middle, the upgrade test (the next longest) after the first; make check's
+# longest, the default render's fast tier (itself two processes), at the head.
+HEAD_OF_FIRST = ("test_full_project_own_test_suite_passes[first]",
+                 "test_default_project_fast_tier_passes",
+                 "test_a_v0_1_0_project_updates_passes_its_own_suite_and_resumes_its_checkpoint")
+HEAD_OF_SECOND = ("test_full_project_own_test_suite_passes[second]",)
 
 
 def pytest_collection_modifyitems(config, items):
-    longest = {item.name: item for item in items if item.name in LONGEST}
-    rest = [item for item in items if item.name not in LONGEST]
-    first = [longest[n] for n in LONGEST[:2] if n in longest]
-    second = [longest[n] for n in LONGEST[2:] if n in longest]
+    longest = {item.name: item for item in items if item.name in HEAD_OF_FIRST + HEAD_OF_SECOND}
+    rest = [item for item in items if item.name not in longest]
+    first = [longest[n] for n in HEAD_OF_FIRST if n in longest]
+    second = [longest[n] for n in HEAD_OF_SECOND if n in longest]
     middle = max(0, (len(items) + 1) // 2 - len(first))
     items[:] = first + rest[:middle] + second + rest[middle:]
