@@ -93,9 +93,11 @@ def test_a_torch_older_than_the_projects_minimum_is_refused_in_one_sentence(
     # One fact, two places: the code's minimum is pyproject.toml's.
     floor = re.search(r'"torch>=([0-9.]+)"', (PROJECT / "pyproject.toml").read_text()).group(1)
     assert floor == ".".join(map(str, distributed.MIN_TORCH))
-    # train, and resume before it starts torchrun, under a torch that says it is 2.11.
-    # (Were the check gone, either would end at once: one step, a dry run.)
-    for command, first in (("loop.job", "train.max_steps=1"), ("launch.supervisor", "--dry-run")):
+    # train, resume before it starts torchrun, and bench, under a torch that says it is 2.11.
+    # (Were a check gone, its command would end at once: one step, a dry run, a refusal
+    # of sync mode that names no torch.)
+    for command, first in (("loop.job", "train.max_steps=1"), ("launch.supervisor", "--dry-run"),
+                           ("tools.bench", "checkpoint.async_mode=sync")):
         module = project_module(command)
         monkeypatch.setattr(module, "torch_too_old",
                             lambda: distributed.torch_too_old("2.11.0+cu130"))

@@ -80,6 +80,7 @@ from ..runtime.distributed import (
     decide_on_rank0,
     setup,
     teardown,
+    torch_too_old,
 )
 from ..runtime.output_dirs import make_output_dir
 from . import bench_restart
@@ -230,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
+    too_old = torch_too_old()
+    if too_old is not None:   # its saves would fail (runtime/distributed.py, MIN_TORCH)
+        print(f"error: {too_old}", file=sys.stderr)
         return exit_codes.BAD_INPUT
     if args.restart:
         return bench_restart.main(cfg, args.overrides, repeats=args.repeats, nproc=args.nproc,
