@@ -22,6 +22,7 @@ from typing import IO
 from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
 
 from ...config import OBJECT_STORE_SCHEMES
+from ...runtime.exit_codes import error_line
 from ...runtime.output_dirs import make_output_dir
 
 
@@ -316,20 +317,18 @@ def describe_save_error(exc: BaseException, path: str) -> str:
     has lost that context: then the free space of a local path is looked at.
     """
     failures = getattr(exc, "failures", None)
+    inner, where = exc, ""
     if isinstance(failures, dict) and failures:
         ranks = sorted(failures)
         first = failures[ranks[0]]
         inner = first[0] if isinstance(first, tuple) else first
         where = f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
-    else:
-        inner, where = exc, ""
     for cause in causes(inner):
         if isinstance(cause, OSError) and cause.errno:
             return f"checkpoint save to {path} failed{where}: {_os_cause(cause)}"
-    text = str(inner).strip().splitlines()
-    message = text[-1] if text else type(inner).__name__
-    if text and not isinstance(inner, RuntimeError):   # a KeyError's text is a bare key
-        message = f"{type(inner).__name__}: {message}"
+    message = error_line(inner, limit=None)   # a KeyError's text alone is a bare key
+    if isinstance(inner, RuntimeError):       # torch's own failures say what they are
+        message = message.removeprefix("RuntimeError: ")
     if "unexpected pos" in message:  # torch's zip writer: fewer bytes reached the file
         message += " (a write came up short)"
     hint = ""
