@@ -1,1 +1,2 @@
-"""Where checkpoints live: the storage, the layout (how a checkpoint is named, committed and retired), checksums, the lease, outages."""
+"""Where checkpoints live: the storage, the layout (how a checkpoint is named, committed
+and retired), checksums, the lease, outages."""
