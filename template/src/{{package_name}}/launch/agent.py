@@ -1,38 +1,77 @@
 """torchrun's agent, as ``resume`` runs it: a stop it was asked for ends in one line.
 
-    python -m <package>.launch.agent <torchrun's arguments>
+    python -m <package>.launch.agent [--orphan-signal=NAME] <torchrun's arguments>
 
 torchrun (``torch.distributed.run``) answers SIGTERM, SIGINT or a forwarded SIGUSR1 by
 stopping its workers and raising ``SignalException``, whose traceback is printed after
 the workers' clean save: the user sees a crash where there was none. This entry runs the
 same ``main`` and turns that one exception into one line; its exit status stays
 torchrun's (1), which ``resume`` translates (``launch/verdict.py``). Every other
-error keeps its traceback. ``resume --dry-run`` prints the plain torchrun command: the
-two take the same arguments.
+error keeps its traceback.
+
+It takes torchrun's arguments on every torch release this project runs on: where
+torchrun has no ``--shutdown-timeout`` (before 2.12), the agent applies it itself
+(``runtime/torch_compat.py``), so a forwarded signal gives the workers their whole grace
+period. ``resume --dry-run`` prints this command.
+
+Started by ``resume``, it watches ``resume`` as the workers watch the agent
+(``preemption/launcher.py``): ``resume`` puts ``--orphan-signal=NAME`` (the first of
+``preemption.signals``) first, and once ``resume`` is gone the agent gives itself that
+signal, which torchrun forwards to the workers as it forwards a scheduler's; they commit
+a final checkpoint within the grace period and exit, and so does the agent. Nobody is
+left training headless. (The command ``resume --dry-run`` prints has no such option: run
+by hand, under ``nohup`` say, it trains on after the shell that started it has gone.)
 """
 
+import os
+import signal
 import sys
+import threading
+import time
 
-from .. import PACKAGE
+from ..runtime.lifeline import say_if_heard
+from ..runtime.torch_compat import torchrun_arguments
 
-TORCHRUN_MODULE = "torch.distributed.run"
+ORPHAN_SIGNAL = "--orphan-signal="   # the agent's own option; first, before torchrun's
+POLL_S = 0.25                        # how often the agent looks at its parent
 
 
-def as_agent(command: list[str]) -> list[str]:
-    """``command`` (a ``torchrun_command``) with this entry in place of torchrun's module;
-    any other command as it is."""
-    if TORCHRUN_MODULE not in command:
-        return list(command)
-    at = command.index(TORCHRUN_MODULE)
-    return [*command[:at], f"{PACKAGE}.launch.agent", *command[at + 1:]]
+def watched(command: list[str], stop: str) -> list[str]:
+    """``command`` (a ``torchrun_command``) with the agent told to stop the workers with
+    ``stop`` once the process that runs it is gone."""
+    at = next((i for i, arg in enumerate(command) if arg.endswith(".launch.agent")), None)
+    if at is None:
+        return list(command)     # not this agent: nothing to tell it
+    return [*command[:at + 1], f"{ORPHAN_SIGNAL}{stop}", *command[at + 1:]]
+
+
+def watch_parent(stop: signal.Signals, poll_s: float = POLL_S) -> threading.Thread:
+    """Give this process ``stop`` once its parent has changed (a daemon thread)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), stop)   # first: a line nobody reads must not cost it
+                say_if_heard(f"torchrun: the process that started it ({parent}) is gone: "
+                             f"stopping the workers with {stop.name}")
+                return
+
+    thread = threading.Thread(target=watch, name="resume-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 
+    if argv and argv[0].startswith(ORPHAN_SIGNAL):
+        watch_parent(signal.Signals[argv[0][len(ORPHAN_SIGNAL):]])
+        argv = argv[1:]
     try:
-        torchrun(argv)
+        torchrun(torchrun_arguments(argv))
     except SignalException as exc:
         print(f"torchrun: stopped its workers on {exc.sigval.name}", file=sys.stderr,
               flush=True)

@@ -27,6 +27,7 @@ from ..checkpoint.state import Progress, RankRNG, training_state
 from ..config import Config, TaskContext, to_plain_dict
 from ..recovery.watchdog import StepWatchdog
 from ..runtime.distributed import Runtime
+from ..runtime.lifeline import follow_parent
 from ..runtime.metrics import Event, MetricsLog
 from .evaluate import Evaluator, eval_fields
 from .parallelize import set_gradient_sync, to_device, wrap_model
@@ -58,10 +59,11 @@ def rank_seed(seed: int, step: int, rank: int) -> int:
 
 
 def _ignore_preemption_signals(_worker_id: int) -> None:
-    # DataLoader workers share the trainer's process group: a signal sent to it must
-    # reach the trainer's stop path, not kill the workers first.
+    # DataLoader workers share the trainer's process group: a signal sent to it must reach
+    # the trainer's stop path, not kill them first. They end with their parent instead.
     for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    follow_parent()
 
 
 def _end_workers_at_exit(loader_iter: weakref.ref) -> None:

@@ -20,13 +20,13 @@ the default 30 s grace period no worker lives 30 s past its launcher.
 
 from __future__ import annotations
 
-import fcntl
 import multiprocessing
 import os
 import threading
 import time
 from collections.abc import Callable
 
+from ..runtime.lifeline import say_if_heard
 from .watch import PreemptionWatch
 
 POLL_S = 0.25         # how often the parent is looked at
@@ -90,11 +90,6 @@ def end_now(status: int, sentence: str) -> None:
             child.kill()
         except OSError:
             pass
-    try:  # nobody may read stderr any more: never block on it
-        flags = fcntl.fcntl(2, fcntl.F_GETFL)
-        fcntl.fcntl(2, fcntl.F_SETFL, flags | os.O_NONBLOCK)
-        os.write(2, f"error: {sentence} (exit status {status})\n".encode())
-    except OSError:
-        pass
+    say_if_heard(f"error: {sentence} (exit status {status})")   # nobody may read any more
     time.sleep(0.1)  # the children's SIGKILL is delivered before their parent goes
     os._exit(status)

@@ -31,16 +31,30 @@ def _parents() -> dict[int, int]:
     return parents
 
 
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid``, zombies (exited, not yet reaped) included."""
+    return [child for child, parent in _parents().items() if parent == pid]
+
+
+def command_of(pid: int) -> str:
+    """The command line of ``pid``, for a message ("" once it has exited)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)
+
+
 def process_tree(root: int) -> list[int]:
     """``root`` and all its descendants."""
-    children: dict[int, list[int]] = {}
+    below: dict[int, list[int]] = {}
     for pid, ppid in _parents().items():
-        children.setdefault(ppid, []).append(pid)
+        below.setdefault(ppid, []).append(pid)
     tree, todo = [], [root]
     while todo:
         pid = todo.pop()
         tree.append(pid)
-        todo.extend(children.get(pid, ()))
+        todo.extend(below.get(pid, ()))
     return tree
 
 

@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
+from ...runtime.exit_codes import error_line
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -212,5 +213,7 @@ class Lease:
             owner = self.owner()
             if owner is not None and self._is_me(owner):
                 self.storage.remove_file(LEASE_FILE)
-        except OSError as exc:
-            log.warning("could not release the lease on %s: %s", self.storage, exc)
+        except Exception as exc:  # noqa: BLE001 - any store error (botocore's are not OSErrors)
+            # The run's own outcome stands; the lease goes stale in lease_stale_s.
+            log.warning("could not release the lease on %s: %s", self.storage,
+                        error_line(exc, 200))

@@ -1,0 +1,131 @@
+"""``resume`` waits for every process of its launch, the ones its agent leaves behind too.
+
+On Linux ``resume`` makes itself the child subreaper of its launch
+(``prctl(PR_SET_CHILD_SUBREAPER)``): a process of the launch whose parent dies is
+re-parented to ``resume``, not to init. When torchrun's agent is killed (an
+out-of-memory killer, a stray ``kill -9``), its workers come to ``resume``; they notice
+that their launcher is gone, commit a final checkpoint and exit within the grace period
+(``preemption/launcher.py``). ``resume`` waits for them and reaps them before it judges
+the launch, so its exit status says what they did, and nothing of the old launch still
+writes into ``checkpoint.dir`` when the scheduler starts the next one. A checkpoint
+process whose worker was killed comes to ``resume`` too; it ends on its own
+(``runtime/lifeline.py``), and ``resume`` reaps it.
+
+The wait is bounded (``shutdown_timeout_s``: the grace period and a margin); what is
+still running then is killed, and named.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from ..runtime.process_tree import children, command_of, kill_tree
+
+PR_SET_CHILD_SUBREAPER = 36   # linux/prctl.h
+PR_GET_CHILD_SUBREAPER = 37
+POLL_S = 0.1
+REAP_EVERY_S = 1.0             # while the agent runs: the zombies of dead workers' children
+
+
+def _prctl(option: int, value: int | ctypes.c_int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        arg = ctypes.byref(value) if isinstance(value, ctypes.c_int) else value
+        return libc.prctl(option, arg, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+class Launch:
+    """torchrun's agent, started by ``resume`` as the subreaper of what it starts.
+
+    ``signal`` passes a signal on (to the agent, or once it is gone to what it left);
+    ``wait`` waits for the agent and reaps the orphans that come back meanwhile;
+    ``wait_for_the_rest`` then waits for the processes it left behind. ``close`` (or the
+    end of a ``with``) makes this process an ordinary parent again.
+    """
+
+    def __init__(self, command: list[str]) -> None:
+        was = ctypes.c_int(0)
+        _prctl(PR_GET_CHILD_SUBREAPER, was)
+        self._was_subreaper = was.value
+        # On Linux the workers of a killed agent come back to this process; elsewhere
+        # they go to init, and only the launch's own watches end them.
+        self.subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        self._before = frozenset(children(os.getpid()))   # not of this launch
+        self.proc = subprocess.Popen(command)
+
+    def close(self) -> None:
+        if self.subreaper:
+            _prctl(PR_SET_CHILD_SUBREAPER, self._was_subreaper)
+            self.subreaper = False
+
+    def signal(self, signum: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signum)
+        else:
+            for pid in self._reap():
+                try:
+                    os.kill(pid, signum)
+                except OSError:
+                    pass
+
+    def wait(self) -> int:
+        """The agent's exit status; the orphans of dead workers are reaped meanwhile."""
+        while True:
+            try:
+                return self.proc.wait(timeout=REAP_EVERY_S)
+            except subprocess.TimeoutExpired:
+                self._reap(self.proc.pid)
+
+    def wait_for_the_rest(self, bound_s: float, say) -> list[str]:
+        """Wait until no process of the launch is running, at most ``bound_s``, reaping
+        each. Then kill what is left (its whole tree) and return a description of each
+        process killed so; an empty list when everything ended on its own."""
+        deadline = time.monotonic() + bound_s
+        running = self._reap()
+        if running:
+            say(f"waiting up to {bound_s:g} s for the {len(running)} process(es) of this "
+                f"launch still running (pid {', '.join(map(str, running))}): they stop on "
+                "their own once they see their launcher gone")
+        while running and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            running = self._reap()
+        killed = [f"pid {pid} ({command_of(pid)[:120]})" for pid in running]
+        for pid in running:
+            kill_tree(pid)
+        if running:
+            time.sleep(POLL_S)
+            self._reap()
+        return killed
+
+    def _reap(self, *spare: int) -> list[int]:
+        """Collect every child of the launch that has exited, never blocking and never
+        the agent's status (``spare``) before Popen has it; the ones still running."""
+        running = []
+        for pid in children(os.getpid()):
+            if pid in self._before or pid in spare:
+                continue
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                continue
+            if done == 0:
+                running.append(pid)
+        return running
+
+
+def describe_death(pid: int, returncode: int) -> str:
+    """One line for an agent that died of a signal."""
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"torchrun's agent (pid {pid}) died of {name}"

