@@ -258,3 +258,20 @@ def test_checkpoint_wings_import_only_downwards(full_project):
                     if top not in allowed:
                         wrong.append(f"{wing}/{path.name} imports ..{module}")
     assert wrong == []
+
+
+def test_the_tested_torch_releases_are_one_list():
+    """The releases CI tests (the Makefile's legs and the pinned one) are the ones the
+    README and the generated pyproject.toml name, and the lowest is the project's floor."""
+    legs = re.search(r"^TORCH_LEGS \?= (.+)$", (REPO / "Makefile").read_text(),
+                     re.MULTILINE).group(1).split()
+    pinned = re.search(r'"torch==([0-9.]+)"', (REPO / "pyproject.toml").read_text()).group(1)
+    tested = sorted({*legs, pinned}, key=lambda v: tuple(map(int, v.split("."))))
+    pyproject = (REPO / "template" / "pyproject.toml.jinja").read_text(encoding="utf-8")
+    assert f"# Tested releases: {', '.join(tested)}." in pyproject
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    sentence = re.search(r"Tested releases: (.*?);", readme, re.DOTALL).group(1)
+    assert re.findall(r"\b\d+\.\d+\.\d+\b", sentence) == tested
+    compat = next((REPO / "template" / "src").glob("*/runtime/torch_compat.py")).read_text()
+    floor = re.search(r"^MIN_TORCH = \((\d+), (\d+)\)", compat, re.MULTILINE).groups()
+    assert tested[0].split(".")[:2] == list(floor)

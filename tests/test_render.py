@@ -105,16 +105,18 @@ def test_default_project_fast_tier_passes(default_project, request):
     assert " passed" in proc.stdout and " failed" not in proc.stdout
 
 
-# The whole generated suite of a render with every optional part (conftest.FULL; the
-# default render's fast tier runs in make check, and in make test inside the upgrade
-# test), in two halves of about the same length, one per xdist worker (conftest puts
+# The slow tier of a render with every optional part (conftest.FULL; its fast tier runs
+# once, in the upgrade test, tests/test_update.py, and the default render's in make
+# check), in two halves of about the same length, one per xdist worker (conftest puts
 # them at the head of each worker's queue): the kill loop, the real servers and the
-# node-loss drills, and the rest. The kill loop runs KILL_LOOP_KILLS kills here (the
-# generated test's default, 100, is for a run of its own: docs/RECOVERY.md's figures).
+# node-loss drills, and the rest. The drills run fewer rounds here than a generated
+# project's own defaults (DRILL_ROUNDS: kills of the kill loop, the phases a SIGTERM
+# lands in, ...): the defaults are for a run of their own (docs/RECOVERY.md's figures),
+# and every kind of check still runs.
 FIRST_HALF = {"test_kill_loop.py", "test_object_store.py", "test_tracking.py",
               "test_compile.py", "test_node_loss.py", "test_memory_tier.py",
               "test_stop_phases.py", "test_nodes.py", "test_goodput.py"}
-KILL_LOOP_KILLS = "15"
+DRILL_ROUNDS = {"KILL_LOOP_KILLS": "6", "STOP_PHASES": "resume-imports,loaded,saving"}
 
 
 @pytest.mark.slow
@@ -124,12 +126,12 @@ def test_full_project_own_test_suite_passes(full_project, tmp_path, half):
     assert FIRST_HALF <= set(files)
     chosen = [f for f in files if (f in FIRST_HALF) == (half == "first")]
     env = dict(os.environ, PYTHONPATH=str(full_project / "src"), OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1", KILL_LOOP_KILLS=KILL_LOOP_KILLS)
+               PYTHONUNBUFFERED="1", **DRILL_ROUNDS)
     log = tmp_path / f"{half}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-             "--run-slow", "--durations=30", "--basetemp", str(tmp_path / half), *[f"tests/{f}" for f in chosen]],
+             "-m", "slow", "--durations=30", "--basetemp", str(tmp_path / half), *[f"tests/{f}" for f in chosen]],
             cwd=full_project, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         code = proc.wait(timeout=3600)

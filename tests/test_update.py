@@ -12,7 +12,7 @@ import pytest
 import yaml
 from copier import run_copy, run_update
 
-from conftest import REPO, git, package_of, run_in
+from conftest import FULL, REPO, git, package_of, run_in
 
 WORKING_TREE_IGNORED = shutil.ignore_patterns(
     ".git", ".venv", ".scratch", "__pycache__", ".pytest_cache", ".ruff_cache")
@@ -386,8 +386,13 @@ def test_a_v0_1_0_project_updates_passes_its_own_suite_and_resumes_its_checkpoin
     """A project copied from v0.1.0 as a user does it on a clone without tags (--vcs-ref
     at the release's commit), trained a few steps into its default checkpoint folder and
     committed, updates to this working tree with its task.py untouched (the old
-    ``build_model(cfg)``, no evaluation); then the updated project's fast suite passes
-    (a skip only with its reason) and its training resumes the old checkpoint."""
+    ``build_model(cfg)``, no evaluation), taking every optional part the update offers
+    (conftest.FULL); then the updated project's fast suite passes (a skip only with its
+    reason) and its training resumes the old checkpoint.
+
+    This is where make test runs the fast tier of a render with every part (its slow tier
+    runs in test_render.py's two halves; the default render's fast tier runs in make
+    check)."""
     project = tmp_path / "project"
     run_copy(str(REPO), str(project), defaults=True, vcs_ref=V0_1_0, quiet=True, unsafe=False)
     package = package_of(project)
@@ -406,10 +411,11 @@ def test_a_v0_1_0_project_updates_passes_its_own_suite_and_resumes_its_checkpoin
     assert git(project, "status", "--porcelain", "--untracked-files=all") == ""
 
     # --vcs-ref HEAD: the working tree (copier includes its uncommitted changes).
-    run_update(str(project), defaults=True, overwrite=True, quiet=True, unsafe=False,
-               vcs_ref="HEAD")
+    run_update(str(project), data=FULL, defaults=True, overwrite=True, quiet=True,
+               unsafe=False, vcs_ref="HEAD")
     answers = yaml.safe_load((project / ".copier-answers.yml").read_text())
     assert answers["_commit"] != V0_1_0
+    assert all(answers[key] == value for key, value in FULL.items()), answers
     assert task.read_text() == old_task            # the user's file, never overwritten
     assert (project / f"src/{package}/loop/trainer.py").is_file()   # today's layout
     for path in project.rglob("*"):

@@ -6,6 +6,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+# Every test here touches an API that differs between torch releases (make test-torch).
+pytestmark = pytest.mark.torch_api
+
 
 def fake_save(root, layout, step, storage):
     """A real (one-process) DCP save into the staging directory: a shard and .metadata."""

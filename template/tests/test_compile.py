@@ -56,3 +56,23 @@ def test_compiled_and_eager_runs_resume_each_other(tmp_path, monkeypatch):
     assert sorted(compiled_first) == sorted(eager_first) == list(range(1, 7))
     for step in range(1, 7):   # compiled steps 1-4 then eager 5-6, against the reverse
         assert compiled_first[step] == pytest.approx(eager_first[step], rel=1e-5), step
+
+
+@pytest.mark.torch_api
+@pytest.mark.slow
+def test_a_compiled_run_saves_the_keys_an_eager_run_saves(tmp_path, monkeypatch):
+    """One compiled start and one eager start, two steps each: the same checkpoint keys,
+    none of them ``_orig_mod.``; inductor built code for the compiled one. The short form
+    of the test above, which the torch compatibility legs run."""
+    saved = {}
+    for compiled in ("true", "false"):
+        cache = tmp_path / f"inductor-{compiled}"
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+        ckpt = tmp_path / compiled / "ckpt"
+        run_module("train", *RUN, "train.max_steps=2", f"train.compile={compiled}",
+                   f"checkpoint.dir={ckpt}", f"log.dir={tmp_path / compiled / 'logs'}",
+                   timeout=600)
+        assert bool(built(cache)) == (compiled == "true")
+        saved[compiled] = keys(ckpt, 2)
+    assert saved["true"] == saved["false"]
+    assert not [key for key in saved["true"] if "_orig_mod" in key]

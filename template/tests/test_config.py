@@ -83,27 +83,33 @@ def test_nccl_without_cuda_is_refused_in_one_sentence(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.torch_api
 def test_a_torch_older_than_the_projects_minimum_is_refused_in_one_sentence(
         tmp_path, monkeypatch, capsys):
-    distributed = project_module("runtime.distributed")
-    assert distributed.torch_too_old("2.12.0+cu128") is None
-    assert distributed.torch_too_old("2.13.0") is None and distributed.torch_too_old("3.0") is None
-    assert distributed.torch_too_old("2.11.0+cu130").startswith(
-        "torch 2.11.0+cu130 is older than 2.12, the oldest release this project runs on")
-    # One fact, two places: the code's minimum is pyproject.toml's.
-    floor = re.search(r'"torch>=([0-9.]+)"', (PROJECT / "pyproject.toml").read_text()).group(1)
-    assert floor == ".".join(map(str, distributed.MIN_TORCH))
-    # train, resume before it starts torchrun, and bench, under a torch that says it is 2.11.
+    compat = project_module("runtime.torch_compat")
+    assert compat.torch_too_old("2.9.0") is None and compat.torch_too_old("2.11.0+cu130") is None
+    # NVIDIA's builds are named after the coming release: their numeric release counts.
+    assert compat.torch_too_old("2.9.0a0+50eac811a6.nv25.09") is None
+    assert compat.torch_too_old("2.12.0a0+git1a2b3c4") is None
+    assert compat.torch_too_old("2.15.0") is None and compat.torch_too_old("3.0") is None
+    assert compat.torch_too_old("2.8.0+cu128").startswith(
+        "torch 2.8.0+cu128 is older than 2.9, the oldest release this project runs on")
+    assert compat.torch_too_old("2.9.0a0") is None and compat.torch_too_old("2.8.9") is not None
+    # One fact, two places: the code's minimum is pyproject.toml's, which admits 2.9's
+    # pre-release builds (2.9.0a0 sorts below 2.9.0).
+    floor = re.search(r'"torch>=([0-9a-z.]+)"', (PROJECT / "pyproject.toml").read_text()).group(1)
+    assert floor == ".".join(map(str, compat.MIN_TORCH)) + ".0a0"
+    # train, resume before it starts torchrun, and bench, under a torch that says it is 2.8.
     # (Were a check gone, its command would end at once: one step, a dry run, a refusal
     # of sync mode that names no torch.)
     for command, first in (("loop.job", "train.max_steps=1"), ("launch.supervisor", "--dry-run"),
                            ("tools.bench", "checkpoint.async_mode=sync")):
         module = project_module(command)
         monkeypatch.setattr(module, "torch_too_old",
-                            lambda: distributed.torch_too_old("2.11.0+cu130"))
+                            lambda: compat.torch_too_old("2.8.0+cu128"))
         assert module.main([first, f"checkpoint.dir={tmp_path / 'ckpt'}",
                             f"log.dir={tmp_path / 'logs'}"]) == 2, command
-        assert "torch 2.11.0+cu130 is older than 2.12" in capsys.readouterr().err
+        assert "torch 2.8.0+cu128 is older than 2.9" in capsys.readouterr().err
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "logs").exists()
 
 

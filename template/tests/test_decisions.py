@@ -18,6 +18,9 @@ import torch
 
 from conftest import ROOT, project_module
 
+# Every test here touches an API that differs between torch releases (make test-torch).
+pytestmark = pytest.mark.torch_api
+
 policy_mod = project_module("checkpoint.policy")
 checkpointer_mod = project_module("checkpoint.checkpointer")
 lease_mod = project_module("checkpoint.store.lease")

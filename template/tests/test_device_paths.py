@@ -14,6 +14,9 @@ import torch.distributed as dist
 
 from conftest import ROOT, project_module
 
+# Every test here touches an API that differs between torch releases (make test-torch).
+pytestmark = pytest.mark.torch_api
+
 CONFIG = ROOT / "configs" / "train.yaml"
 SMALL = ["model.d_model=32", "model.n_layers=1", "data.corpus_chars=20000"]
 

@@ -27,6 +27,7 @@ from conftest import (
 SMALL = ["model.d_model=32", "model.n_layers=1", "data.corpus_chars=40000"]
 
 
+@pytest.mark.torch_api
 def test_the_evaluator_deals_every_sample_once_over_the_ranks():
     """No padding, no repeats: the ranks' shares partition the evaluated samples, for any
     world size, also with a max_batches limit."""

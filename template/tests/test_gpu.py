@@ -10,7 +10,13 @@ Each test prints its figures; none of them is a timed assertion.
   uninterrupted run (same world size);
 - ``bench --json`` on CUDA: the in-loop stall and the blocking time of a save against
   the device-to-host copy bound;
+- the project's stager on CUDA, three saves in a row through one stager: each staged in
+  pinned host memory, equal to the device state it copied (on torch 2.11 and 2.12.0 DCP
+  closes a stager after every stage; runtime/torch_compat.py keeps it open);
 - export of the bf16 run to a Hugging Face directory that ``from_pretrained`` loads.
+
+Run on the GPU image's own torch (2.9 or newer) by the template's ``make gpu-check
+GPU_PYTHON=python3``, which needs nothing there but the wheels of omegaconf and antlr4.
 """
 
 from __future__ import annotations
@@ -57,6 +63,26 @@ def test_bf16_fsdp_run_saves_in_the_background_and_resumes_bit_identical(tmp_pat
     reference, after = losses(full / "logs"), losses(resumed / "logs")
     assert sorted(after) == list(range(5, STEPS + 1))
     assert all(after[s] == reference[s] for s in after), (reference, after)
+
+
+def test_staging_copies_into_pinned_host_memory_save_after_save():
+    staging = project_module("checkpoint.save.staging")
+    device = torch.device("cuda", 0)
+    stager = staging.ReusingStager(staging.StagingOptions(
+        use_pinned_memory=True, use_shared_memory=True, use_async_staging=True,
+        use_non_blocking_copy=True), device=device)
+    weights = torch.randn(1024, 1024, device=device)
+    try:
+        for step in range(3):
+            weights.mul_(1.5)          # queued on the compute stream before the copy
+            staged = stager.stage({"w": weights, "step": step})
+            staged = staged.result() if hasattr(staged, "result") else staged
+            assert staged["w"].device.type == "cpu" and staged["w"].is_pinned()
+            assert torch.equal(staged["w"], weights.cpu()) and staged["step"] == step
+    finally:
+        stager.close()
+    print("pinned staging: full stages", stager.full_stages, "fast stages", stager.fast_stages)
+    assert (stager.full_stages, stager.fast_stages) == (1, 2)
 
 
 def test_bench_on_cuda_reports_the_stall_and_blocking_against_the_copy_bound(tmp_path):

@@ -96,6 +96,7 @@ def test_bf16_without_cuda_is_refused_naming_the_key():
         project_module("loop.parallelize").wrap_model(torch.nn.Linear(2, 2), [], config("train.precision=bf16"), runtime)
 
 
+@pytest.mark.torch_api
 def test_pretrained_weights_load_at_the_first_start_only(token_dir, tmp_path, caplog):
     pretrained = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -121,6 +122,7 @@ def test_pretrained_weights_load_at_the_first_start_only(token_dir, tmp_path, ca
     assert "loading pretrained weights" not in caplog.text
 
 
+@pytest.mark.torch_api
 def test_activation_checkpointing_recomputes_and_changes_no_name_or_number(token_dir):
     distributed = project_module("runtime.distributed")
     runtime = distributed.Runtime(0, 1, 0, torch.device("cpu"), "gloo")
@@ -318,3 +320,24 @@ def test_export_hf_loads_with_from_pretrained_and_gives_the_trained_logits(
     weights = torch.load(tmp_path / "pt" / "model.pt", weights_only=True)
     assert weights.keys() == full.state_dict().keys()
     assert all(torch.equal(weights[k], v) for k, v in full.state_dict().items())
+
+
+@pytest.mark.torch_api
+@pytest.mark.slow
+def test_a_short_llama_run_exports_to_hugging_face_and_to_one_torch_file(token_dir, tmp_path):
+    """The export path on its own (DCP's HuggingFaceStorageWriter, torch.save): what the
+    torch compatibility legs run; the test above checks the logits too."""
+    ckpt = tmp_path / "ckpt"
+    run_module("train", *LLAMA, *data(token_dir), "train.max_steps=2",
+               "checkpoint.interval_steps=2", f"checkpoint.dir={ckpt}",
+               f"log.dir={tmp_path / 'logs'}", timeout=300)
+    run_module("export", "--format", "hf", "--out", str(tmp_path / "hf"), *LLAMA,
+               f"checkpoint.dir={ckpt}", timeout=300)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    weights = exported.state_dict()
+    run_module("export", "--format", "torch", "--out", str(tmp_path / "pt"), *LLAMA,
+               f"checkpoint.dir={ckpt}", timeout=300)
+    saved = torch.load(tmp_path / "pt" / "model.pt", weights_only=True)
+    assert set(saved) == set(weights), sorted(set(saved) ^ set(weights))[:5]
+    for name, tensor in saved.items():
+        torch.testing.assert_close(tensor, weights[name].detach(), rtol=0, atol=0)

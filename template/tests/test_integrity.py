@@ -33,6 +33,7 @@ def damage_in_place(path: Path, offset: int = 0, length: int = 64) -> None:
     assert path.stat().st_size == size
 
 
+@pytest.mark.torch_api
 def test_commit_records_size_and_crc32_of_every_file(tmp_path, ckpt):
     layout, storage_mod = ckpt
     storage = storage_mod.LocalStorage(tmp_path)
@@ -46,6 +47,7 @@ def test_commit_records_size_and_crc32_of_every_file(tmp_path, ckpt):
         assert entry == {"size": len(data), "crc32": [f"{zlib.crc32(data):08x}"]}
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize("damaged", [".metadata", "__0_0.distcp"])
 @pytest.mark.parametrize("mode", ["all", "sample"])
 def test_same_size_damage_is_skipped_for_the_previous_checkpoint(tmp_path, ckpt, caplog,
@@ -120,6 +122,7 @@ def verify(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.torch_api
 def test_verify_prints_a_table_and_fails_on_damage(tmp_path, ckpt, capsys):
     layout, storage_mod = ckpt
     root = tmp_path / "ckpt"

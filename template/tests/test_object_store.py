@@ -48,6 +48,7 @@ def fake_save(store, step):
              no_dist=True)
 
 
+@pytest.mark.torch_api
 def test_object_store_commit_needs_no_rename(ckpt, memory_store):
     layout, _ = ckpt
     fake_save(memory_store, 4)
@@ -57,6 +58,7 @@ def test_object_store_commit_needs_no_rename(ckpt, memory_store):
     assert layout.newest_complete_checkpoint(memory_store).step == 4
 
 
+@pytest.mark.torch_api
 def test_object_store_retention_and_leftovers(ckpt, memory_store):
     layout, _ = ckpt
     for step in (1, 2, 3):
@@ -68,6 +70,7 @@ def test_object_store_retention_and_leftovers(ckpt, memory_store):
     assert memory_store.list_names() == ["step_000000003"]
 
 
+@pytest.mark.torch_api
 def test_object_store_truncated_shard_is_skipped(ckpt, memory_store):
     layout, _ = ckpt
     for step in (1, 2):

@@ -134,6 +134,7 @@ def test_bad_notice_settings_are_refused_naming_the_key():
             config.load_config(ROOT / "configs/train.yaml", [override])
 
 
+@pytest.mark.torch_api
 def test_torchrun_command_forwards_preemption_signals_and_outwaits_the_grace():
     config = project_module("config").load_config(
         ROOT / "configs/train.yaml", ["preemption.grace_period_s=45.5",
@@ -147,6 +148,7 @@ def test_torchrun_command_forwards_preemption_signals_and_outwaits_the_grace():
     assert timeout > 45.5
 
 
+@pytest.mark.torch_api
 def test_drain_gives_up_at_the_deadline_and_never_commits_what_it_gave_up(tmp_path):
     pipeline_module = project_module("checkpoint.save.pipeline")
     storage = project_module("checkpoint").open_storage(str(tmp_path / "ckpt"))
@@ -228,6 +230,7 @@ def worker_pids(parent: int) -> list[int]:
     return workers
 
 
+@pytest.mark.torch_api
 def test_single_process_exits_preempted_on_sigterm_after_finishing_the_save_in_flight(
         run_dirs, tmp_path):
     log_file = tmp_path / "job.log"
@@ -242,6 +245,7 @@ def test_single_process_exits_preempted_on_sigterm_after_finishing_the_save_in_f
     assert stop["drained_step"] is None or stop["drained_step"] >= step_of(writing)
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize("mode, reasons", [
     ("sync", ("grace left",)),  # nothing in flight: the measured save time does not fit
     ("process", ("grace left", "used up the grace period")),  # or the drain gives up

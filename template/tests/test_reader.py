@@ -68,7 +68,7 @@ def ours(directory: Path, checked: bool = True):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.torch_api), 2])
 def test_the_reader_loads_what_dcps_own_reader_loads(run_dirs, nproc):
     """1 -> 1 (the same world size) and 2 -> 1 (DCP reshards): bit for bit the same."""
     torchrun(nproc, "train", *SMALL(run_dirs, "train.max_steps=3"))
@@ -79,6 +79,7 @@ def test_the_reader_loads_what_dcps_own_reader_loads(run_dirs, nproc):
     assert_identical(load_everything(directory, ours(directory, checked=False)), reference)
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize("where", ["tensor data", "a record's header"])
 def test_a_damaged_byte_is_found_by_the_load_itself(tmp_path, ckpt, where):
     """No pass before the load: the candidates are not read, the load finds the damage,
@@ -111,6 +112,7 @@ def test_a_damaged_byte_is_found_by_the_load_itself(tmp_path, ckpt, where):
             assert not isinstance(failure.value, integrity.ChecksumMismatch)
 
 
+@pytest.mark.torch_api
 def test_checkpoints_of_earlier_versions_still_load(tmp_path, ckpt, monkeypatch):
     """64 MiB checksum blocks (before this reader; the 12 MB shard is one block, not two) and
     no checksums at all (older still)."""

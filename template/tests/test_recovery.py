@@ -94,6 +94,7 @@ def losses(logs: Path) -> dict[int, set[float]]:
 
 
 # ------------------------------------------------------------ fast checks --
+@pytest.mark.torch_api
 def test_torchrun_command_restarts_in_place_with_a_fresh_store_per_attempt():
     config = project_module("config").load_config(ROOT / "configs/train.yaml")
     launch = project_module("launch.torchrun")
@@ -119,6 +120,7 @@ def test_bad_recovery_settings_are_refused(override, message):
         config.load_config(ROOT / "configs/train.yaml", [override])
 
 
+@pytest.mark.torch_api
 def test_watchdog_dumps_every_stack_and_exits_hung(capfd):
     exited: list[int] = []
     hangs: list[tuple] = []
@@ -268,6 +270,7 @@ def test_a_status_training_decides_is_not_restarted_in_place(tmp_path):
     assert "asking torchrun" in output and "RuntimeError: earlier" in output
 
 
+@pytest.mark.torch_api
 @pytest.mark.slow
 def test_a_killed_worker_is_restarted_in_place_and_the_run_stays_exact(tmp_path):
     steps = ["train.max_steps=24"]

@@ -27,6 +27,7 @@ def garble_metadata(step_dir: Path) -> None:
                          + b"\x00" * (metadata.stat().st_size % 8))
 
 
+@pytest.mark.torch_api
 def test_a_checkpoint_that_fails_to_load_falls_back_to_the_previous_one(run_dirs):
     run(run_dirs, "train.max_steps=4")
     garble_metadata(Path(run_dirs["ckpt"]) / "step_000000004")
@@ -38,6 +39,7 @@ def test_a_checkpoint_that_fails_to_load_falls_back_to_the_previous_one(run_dirs
     assert starts[-1]["step"] == 2 and "finished at step 6" in proc.stdout
 
 
+@pytest.mark.torch_api
 def test_strict_resume_refuses_instead_of_falling_back(run_dirs):
     run(run_dirs, "train.max_steps=4")
     garble_metadata(Path(run_dirs["ckpt"]) / "step_000000004")
@@ -47,6 +49,7 @@ def test_strict_resume_refuses_instead_of_falling_back(run_dirs):
     assert "checkpoint.strict_resume is on" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.torch_api
 def test_a_checkpoint_of_another_model_is_refused_with_the_differences(run_dirs):
     run(run_dirs, "train.max_steps=2")
     proc = run(run_dirs, "train.max_steps=4", "model.d_model=48", check=False)

@@ -25,6 +25,7 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
+@pytest.mark.torch_api
 def test_real_metadata_is_read_and_a_crafted_one_refused(tmp_path, ckpt):
     layout, storage_mod = ckpt
     safe_load = project_module("checkpoint.load.safe_load")
@@ -47,6 +48,7 @@ def test_real_metadata_is_read_and_a_crafted_one_refused(tmp_path, ckpt):
     assert marker.exists()
 
 
+@pytest.mark.torch_api
 def test_the_load_refuses_a_value_that_would_run_code(tmp_path, ckpt):
     layout, storage_mod = ckpt
     safe_load = project_module("checkpoint.load.safe_load")
@@ -68,6 +70,7 @@ def test_the_load_refuses_a_value_that_would_run_code(tmp_path, ckpt):
     assert marker.exists()
 
 
+@pytest.mark.torch_api
 def test_plain_values_still_load(tmp_path, ckpt):
     layout, storage_mod = ckpt
     storage = storage_mod.LocalStorage(tmp_path)
@@ -114,6 +117,7 @@ def test_train_refuses_a_checkpoint_whose_metadata_would_run_code(run_dirs, tmp_
     assert len(read_events(Path(run_dirs["logs"]), "start")) == len(starts)   # never started
 
 
+@pytest.mark.torch_api
 def test_restricted_unpickler_allows_exactly_dcp_metadata():
     safe_load = project_module("checkpoint.load.safe_load")
     for module, name in [("builtins", "eval"), ("os", "system"), ("subprocess", "Popen"),

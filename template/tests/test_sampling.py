@@ -7,6 +7,9 @@ from torch.utils.data import DataLoader
 
 from conftest import project_module
 
+# Every test here touches an API that differs between torch releases (make test-torch).
+pytestmark = pytest.mark.torch_api
+
 
 @pytest.fixture
 def sampling():

@@ -165,6 +165,7 @@ def test_a_second_job_on_the_same_directory_is_refused(run_dirs, tmp_path):
     assert not (Path(run_dirs["ckpt"]) / "lease.json").exists()   # released at the end
 
 
+@pytest.mark.torch_api
 def test_a_stale_lease_is_taken_over_with_a_notice(run_dirs):
     ckpt = Path(run_dirs["ckpt"])
     ckpt.mkdir(parents=True)
@@ -178,6 +179,7 @@ def test_a_stale_lease_is_taken_over_with_a_notice(run_dirs):
     assert re.search(r"no heartbeat for 6[0-9][0-9] s", proc.stdout)
 
 
+@pytest.mark.torch_api
 def test_a_restart_waits_for_the_previous_owner_to_finish(run_dirs):
     """A live holder on this host (here: a process that ends after 3 s, as a job draining
     its last save would) is waited for, within checkpoint.lease_wait_s, then replaced."""

@@ -24,6 +24,9 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import ROOT, _env, project_module
 
+# Every test here touches an API that differs between torch releases (make test-torch).
+pytestmark = pytest.mark.torch_api
+
 DELAY_S = 2.0   # how long the slow storage sleeps before writing a save
 
 

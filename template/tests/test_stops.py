@@ -39,6 +39,7 @@ def committed(dirs) -> list[int]:
     return [c.step for c in project_module("checkpoint").list_committed(storage, warn=False)]
 
 
+@pytest.mark.torch_api
 def test_ctrl_c_saves_and_says_it_was_the_user(run_dirs, tmp_path):
     log = tmp_path / "job.log"
     proc = start("train", *overrides(run_dirs), log_file=log)
@@ -53,6 +54,7 @@ def test_ctrl_c_saves_and_says_it_was_the_user(run_dirs, tmp_path):
     assert committed(run_dirs)[-1] == stop["stop_step"]
 
 
+@pytest.mark.torch_api
 def test_a_second_ctrl_c_exits_at_once_without_the_final_save(run_dirs, tmp_path):
     log = tmp_path / "job.log"
     # Synchronous saves of a larger model: the final save takes long enough to interrupt.

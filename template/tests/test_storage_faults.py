@@ -23,6 +23,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from conftest import moto_s3, project_module, run_module
 
+# Every test here touches an API that differs between torch releases (make test-torch).
+pytestmark = pytest.mark.torch_api
+
 TRAIN = ["model.d_model=32", "model.n_layers=1", "train.max_steps=2"]
 
 

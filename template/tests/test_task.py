@@ -19,6 +19,9 @@ from torch import nn
 
 from conftest import PACKAGE, PROJECT, project_module
 
+# Every test here touches an API that differs between torch releases (make test-torch).
+pytestmark = pytest.mark.torch_api
+
 META = torch.device("meta")
 EXTENDING = "docs/EXTENDING.md"
 

@@ -29,6 +29,9 @@ from conftest import (
     wait_until,
 )
 
+# Every test here touches an API that differs between torch releases (make test-torch).
+pytestmark = pytest.mark.torch_api
+
 CONFIG = str(ROOT / "configs" / "train.yaml")
 
 TEXT_DOCUMENTS = [

@@ -48,6 +48,7 @@ def test_two_ranks_save_retain_and_resume(run_dirs, tmp_path):
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000000012", "step_000000016"]
 
 
+@pytest.mark.torch_api
 @pytest.mark.parametrize("mode", ["sync", "thread", "process"])
 def test_single_process_without_torchrun_in_each_mode(run_dirs, mode):
     args = overrides(run_dirs, "checkpoint.interval_steps=3", f"checkpoint.async_mode={mode}")

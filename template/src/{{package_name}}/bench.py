@@ -5,7 +5,14 @@ The command `python -m <package>.bench`; its code and usage are in `tools/bench.
 
 import sys
 
-from .tools.bench import main
+from .runtime import lifeline
+
+if __name__ == "__main__":
+    lifeline.hand_down()      # the processes it starts end with it
+elif __name__ == "__mp_main__":  # DCP's checkpoint process, spawned by this command
+    lifeline.follow_parent()
+
+from .tools.bench import main  # after the parent watch
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,10 +5,15 @@ The command `python -m <package>.train`; its code and usage are in `loop/job.py`
 
 import sys
 
+from .runtime import lifeline
+
 if __name__ == "__main__":  # a stop signal during the imports below is kept, not fatal
     from .preemption import early
 
     early.hold()
+    lifeline.hand_down()      # the processes it starts end with it
+elif __name__ == "__mp_main__":  # DCP's checkpoint process, spawned by this command
+    lifeline.follow_parent()
 
 from .loop.job import main  # after the hold
 

@@ -33,7 +33,6 @@ import json
 import logging
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -53,9 +52,16 @@ from ..loop.sampling import BatchSizeError, split_global_batch
 from ..loop.task_contract import check_config, load_task
 from ..preemption import early
 from ..runtime import exit_codes, phases
-from ..runtime.distributed import torch_too_old
-from .agent import as_agent
-from .torchrun import DEFAULT_RDZV_ID, positive_int, rdzv_conf, torchrun_command
+from ..runtime.torch_compat import torch_too_old
+from . import reaper
+from .agent import watched
+from .torchrun import (
+    DEFAULT_RDZV_ID,
+    positive_int,
+    rdzv_conf,
+    shutdown_timeout_s,
+    torchrun_command,
+)
 from .verdict import (
     exit_status,
     node_lost_since,
@@ -286,11 +292,16 @@ def _say_measured_mtbi(cfg: Config, storage: Storage) -> None:
 
 
 # ---------------------------------------------------------------- supervise --
+def say(line: str) -> None:
+    print(f"resume: {line}", file=sys.stderr, flush=True)
+
+
 def supervise(command: list[str], storage: Storage, before: Committed | None,
               preemption: PreemptionConfig, log_dir: Path, *, nodes: int = 1,
               recovery: RecoveryConfig | None = None, job_id: str | None = None,
               memory_tier: bool = False) -> int:
-    """Run torchrun, forward signals to it, and translate its exit status.
+    """Run torchrun, forward signals to it, wait for every process of the launch
+    (``launch/reaper.py``), and translate the exit status.
 
     After a node loss (exit 74) this job has ended on every node: the lease its rank 0
     held, perhaps on the lost machine, is removed, so that the next start is not kept
@@ -299,14 +310,14 @@ def supervise(command: list[str], storage: Storage, before: Committed | None,
     launched_at = time.time()
     forwarded: list[str] = []
     pending: list[int] = []
-    proc: subprocess.Popen | None = None
+    launch: reaper.Launch | None = None
 
     def forward(signum: int, _frame) -> None:
         forwarded.append(signal.Signals(signum).name)
-        if proc is None:
+        if launch is None:
             pending.append(signum)      # arrived while torchrun was starting
-        elif proc.poll() is None:
-            proc.send_signal(signum)
+        else:
+            launch.signal(signum)       # to the agent, or to what it left behind
 
     names = dict.fromkeys([*ALWAYS_FORWARDED, *preemption.signals])
     previous = {sig: signal.signal(sig, forward) for sig in (signal.Signals[n] for n in names)}
@@ -315,14 +326,23 @@ def supervise(command: list[str], storage: Storage, before: Committed | None,
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         return stopped_before_launch(held[0], preemption)
+    # The agent stops the workers once this process is gone (launch/agent.py).
+    stop = preemption.signals[0] if preemption.signals else "SIGINT"
     try:
-        proc = subprocess.Popen(as_agent(command))
+        launch = reaper.Launch(watched(command, stop))
         for signum in pending:
-            proc.send_signal(signum)
-        returncode = proc.wait()
+            launch.signal(signum)
+        returncode = launch.wait()
+        if returncode < 0:
+            say(reaper.describe_death(launch.proc.pid, returncode))
+        bound = shutdown_timeout_s(preemption)
+        for line in launch.wait_for_the_rest(bound, say):
+            say(f"killed {line}: still running {bound} s after the agent exited")
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if launch is not None:
+            launch.close()
     lost = (node_lost_since(log_dir, launched_at, recovery) if nodes > 1 and returncode != 0
             and recovery is not None else None)
     status = exit_status(returncode, storage, before, preemption, forwarded,

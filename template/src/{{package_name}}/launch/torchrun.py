@@ -1,5 +1,8 @@
 """The torchrun command line, built in one place for resume, drill and the launch files.
 
+It runs torchrun's own ``main`` through this package's agent (``launch/agent.py``), which
+takes the same arguments on every torch release the project runs on.
+
 torchrun forwards only the signals it is told to handle, and kills the workers
 ``--shutdown-timeout`` seconds after forwarding one. Both must fit the preemption
 settings, or the final checkpoint is cut off mid-write. ``--max-restarts``
@@ -67,7 +70,7 @@ def torchrun_command(module: str, args: list[str], preemption: PreemptionConfig,
                      rendezvous_timeout_s: float | None = None,
                      rdzv_conf: dict[str, str] | None = None,
                      python: str = sys.executable) -> list[str]:
-    """``python -m torch.distributed.run ... -m <package>.<module> args``.
+    """``python -m <package>.launch.agent <torchrun's arguments> -m <package>.<module> args``.
 
     One node runs standalone (a free local port); several nodes meet at
     ``rdzv_endpoint`` through the c10d rendezvous. ``max_restarts`` is
@@ -85,7 +88,7 @@ def torchrun_command(module: str, args: list[str], preemption: PreemptionConfig,
     # ranks' addresses and never connected (torch 2.13, gloo; DCP's checkpoint process
     # group likewise). Unshared, rank 0 of every attempt hosts a fresh store.
     env = ["env", f"{UNSHARED_STORE}=1"] if max_restarts > 0 else []
-    cmd = [*env, python, "-m", "torch.distributed.run",
+    cmd = [*env, python, "-m", f"{PACKAGE}.launch.agent",
            f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}",
            f"--max-restarts={max_restarts}",
            f"--signals-to-handle={signals_to_handle(preemption)}",

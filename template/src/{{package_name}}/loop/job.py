@@ -55,11 +55,11 @@ from ..runtime.distributed import (
     highest,
     setup,
     teardown,
-    torch_too_old,
 )
 from ..runtime.exit_codes import error_line
 from ..runtime.metrics import Event, MetricsLog, append_event
 from ..runtime.phases import Phase
+from ..runtime.torch_compat import torch_too_old
 from .sampling import BatchSizeError
 from .task_contract import load_task
 from .trainer import TaskError, Trainer

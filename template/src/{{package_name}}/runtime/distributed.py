@@ -35,23 +35,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-# The oldest torch release this project runs on (pyproject.toml says the same; a test
-# checks that both agree). torch 2.11's DCP stager cannot copy FSDP2's DTensors (their
-# specs hold classes: KeyError: <class 'type'> at a background save, seen on a GPU
-# machine), and its torchrun has no --shutdown-timeout.
-MIN_TORCH = (2, 12)
-
-
-def torch_too_old(version: str = torch.__version__) -> str | None:
-    """One sentence when ``version`` is older than ``MIN_TORCH``, else None."""
-    parts = [int(p) if p.isdigit() else 0 for p in version.split("+")[0].split(".")[:2]]
-    if tuple(parts) >= MIN_TORCH:
-        return None
-    oldest = ".".join(map(str, MIN_TORCH))
-    return (f"torch {version} is older than {oldest}, the oldest release this project runs "
-            f"on (pyproject.toml): install torch>={oldest} into this environment")
-
-
 # The process group's default bound on one collective (recovery.collective_timeout_s).
 DEFAULT_COLLECTIVE_TIMEOUT_S = 900.0
 

@@ -80,9 +80,9 @@ from ..runtime.distributed import (
     decide_on_rank0,
     setup,
     teardown,
-    torch_too_old,
 )
 from ..runtime.output_dirs import make_output_dir
+from ..runtime.torch_compat import torch_too_old
 from . import bench_restart
 from .bench_loop import Bench, bench_config, build_trainer, measure_stall, measure_throughput
 from .bench_report import fmt, ratios, report_text, throughput_text
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exit_codes.BAD_INPUT
     too_old = torch_too_old()
-    if too_old is not None:   # its saves would fail (runtime/distributed.py, MIN_TORCH)
+    if too_old is not None:   # runtime/torch_compat.py, MIN_TORCH
         print(f"error: {too_old}", file=sys.stderr)
         return exit_codes.BAD_INPUT
     if args.restart:

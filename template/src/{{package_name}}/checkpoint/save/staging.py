@@ -28,6 +28,8 @@ from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
+from ...runtime.torch_compat import stager_closes_after_each_stage
+
 _ATOMIC = (type(None), bool, int, float, complex, str, bytes)
 _CONTAINERS = (dict, OrderedDict, list, tuple)
 
@@ -65,6 +67,11 @@ class _ReusingStateDictStager(StateDictStager):
         self._slots: list[_Slot] | None = None
         self.fast_stages = 0   # saves staged by the fast path
         self.full_stages = 0   # saves staged by DCP's deep copy
+        # Where DCP's DefaultStager closes this stager after every stage (torch 2.11 and
+        # 2.12.0), that close is let pass and the real one comes at shutdown
+        # (runtime/torch_compat.py): a closed stager fails at its next stage.
+        self.open_until_shutdown = stager_closes_after_each_stage()
+        self.shutting_down = False
 
     def stage(self, state_dict: Any, non_blocking: bool = False) -> Any:
         if self._slots is not None:
@@ -82,6 +89,8 @@ class _ReusingStateDictStager(StateDictStager):
         return staged
 
     def close(self) -> None:
+        if self.open_until_shutdown and not self.shutting_down:
+            return   # DCP's close after a stage (see __init__); ReusingStager.close ends it
         self._slots = None
         super().close()
 
@@ -179,6 +188,15 @@ class ReusingStager(DefaultStager):
             self._staging_executor = ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="staging",
                 initializer=torch.cuda.set_device, initargs=(device,))
+
+    def close(self) -> None:
+        """At shutdown: the staging thread, the host buffers and the copy table go (the
+        state-dict stager closed here too: DCP's close leaves it open before 2.11)."""
+        super().close()
+        inner = getattr(self, "_state_dict_stager", None)
+        if isinstance(inner, _ReusingStateDictStager):
+            inner.shutting_down = True
+            inner.close()
 
     def stage(self, state_dict: Any, **kwargs: Any) -> Any:
         stream = getattr(self, "_staging_stream", None)

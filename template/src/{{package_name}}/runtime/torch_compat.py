@@ -1,0 +1,189 @@
+"""Every difference between the torch releases this project runs on, in one place.
+
+The project runs on torch 2.9 and later (pyproject.toml admits NVIDIA's builds such as
+``2.12.0a0+<commit>`` too); CI tests 2.9.0 (the floor), 2.11.0 (what GPU images ship),
+2.13.0 (the pinned release of the whole suite) and 2.15.0. No other module reads torch's
+version or asks which release it runs on: each difference is answered here, by
+behaviour wherever a build can carry a fix its version number does not show (NGC builds
+are named after the next release and hold patches from after the last one).
+
+======================  ==========================  ===========================================
+what differs            where                       what the harness does
+======================  ==========================  ===========================================
+The oldest release      2.9: ``DefaultStager``,      ``torch_too_old``: train, resume and bench
+with every API used     ``StagingOptions``,          refuse an older torch with exit 2 and one
+                        ``AsyncSaveResponse``        sentence. The numeric release is compared,
+                        (process ``async_save``      so ``2.12.0a0+git…`` is 2.12.
+                        and plan caching 2.7,
+                        FSDP2 ``fully_shard`` 2.6)
+A reused stager fails   2.11 and 2.12.0 (PR          ``stager_closes_after_each_stage`` (a probe:
+on its second save      #170431 made                 two stages of a tiny dict through one
+                        ``DefaultStager._stage``     stager, about 1 ms). Where it does, the
+                        close its state-dict         ReusingStager (checkpoint/save/staging.py)
+                        stager after every stage;    keeps its state-dict stager open between
+                        that clears the deep-copy    stages and closes it at shutdown only, so
+                        table: ``KeyError: <class    every background save stays background.
+                        'type'>`` for any state      A closed stager fails on reuse on every
+                        dict; pytorch #183413,       release: close only at shutdown.
+                        fixed in 2.13.0 by PR
+                        #183424)
+torchrun has no         2.9 (the flag and            ``torchrun_arguments``: the agent
+``--signals-to-handle`` ``TORCHELASTIC_SIGNALS_TO_   (launch/agent.py) takes the flag out where
+                        HANDLE`` came in 2.10): it   torchrun does not know it and installs
+                        forwards SIGTERM, SIGINT,    torchrun's own handler for the signals it
+                        SIGHUP and SIGQUIT only;     names, so SIGUSR1 (Slurm's warning) is
+                        a SIGUSR1 kills it           forwarded like SIGTERM.
+torchrun has no         before 2.12 (PR #172596)     ``torchrun_arguments``: the agent takes
+``--shutdown-timeout``  the agent kills the          the flag out where torchrun does not know
+                        workers a fixed 30 s after   it and gives torchrun's process context
+                        forwarding a signal          that timeout instead, so the workers keep
+                                                     their whole grace period on every release.
+======================  ==========================  ===========================================
+
+(``resume --dry-run`` prints the agent's command, which takes the same arguments on every
+release; the launch files run ``resume``.)
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import torch
+
+# The oldest release this project runs on. pyproject.toml states it as torch>=2.9.0a0 so
+# that pre-release builds of 2.9 (NGC 25.09: 2.9.0a0) are admitted; a test checks both.
+MIN_TORCH = (2, 9)
+
+SHUTDOWN_TIMEOUT_FLAG = "--shutdown-timeout"
+SIGNALS_FLAG = "--signals-to-handle"
+
+
+def release(version: str) -> tuple[int, int, int]:
+    """The numeric release of a torch version string: ``2.12.0a0+git1a2b`` is (2, 12, 0)."""
+    match = re.match(r"\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)
+    if match is None:
+        return (0, 0, 0)
+    major, minor, micro = (int(part or 0) for part in match.groups())
+    return (major, minor, micro)
+
+
+def torch_too_old(version: str = torch.__version__) -> str | None:
+    """One sentence when ``version`` is older than ``MIN_TORCH``, else None."""
+    if release(version)[:len(MIN_TORCH)] >= MIN_TORCH:
+        return None
+    oldest = ".".join(map(str, MIN_TORCH))
+    return (f"torch {version} is older than {oldest}, the oldest release this project runs "
+            f"on (pyproject.toml): install torch>={oldest} into this environment")
+
+
+@functools.cache
+def stager_closes_after_each_stage() -> bool:
+    """Whether DCP's ``DefaultStager`` closes its state-dict stager after every stage
+    (2.11, 2.12.0): the next stage through the same stager then raises ``KeyError``.
+
+    Asked once per process, by staging a tiny dict twice through one stager with every
+    option off (no pinned or shared memory, no thread): about a millisecond.
+    """
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(2)})
+    except KeyError:
+        return True
+    finally:
+        stager.close()
+    return False
+
+
+@functools.cache
+def _torchrun_options() -> dict[str, bool]:
+    """Each option of this torchrun, and whether it takes a value."""
+    from torch.distributed.run import get_args_parser
+
+    return {name: action.nargs != 0 for action in get_args_parser()._actions
+            for name in action.option_strings}
+
+
+def torchrun_takes(flag: str) -> bool:
+    """Whether this torch's torchrun knows ``flag``, read from its own argument parser (so
+    a build that carries a flag before its release is seen): ``--signals-to-handle``
+    from 2.10, ``--shutdown-timeout`` from 2.12."""
+    return flag in _torchrun_options()
+
+
+def torchrun_arguments(argv: list[str]) -> list[str]:
+    """torchrun's arguments as this torch takes them, in the process that runs torchrun.
+
+    A flag this torchrun does not know is taken out and done here instead:
+    ``--signals-to-handle``: torchrun's own handler is installed for each signal it
+    names (torchrun then stops its workers with that signal, as it does on SIGTERM);
+    ``--shutdown-timeout``: torchrun's process context waits that long for its workers
+    after forwarding a signal, before it kills them (without it: a fixed 30 s).
+    """
+    kept = list(argv)
+    if not torchrun_takes(SIGNALS_FLAG):
+        kept, names = _take_option(kept, SIGNALS_FLAG)
+        if names:
+            _handle_signals(names.split(","))
+    if not torchrun_takes(SHUTDOWN_TIMEOUT_FLAG):
+        kept, timeout_s = _take_option(kept, SHUTDOWN_TIMEOUT_FLAG)
+        if timeout_s is not None:
+            _hold_workers_after_signal(int(float(timeout_s)))
+    return kept
+
+
+def _take_option(argv: list[str], flag: str) -> tuple[list[str], str | None]:
+    """``argv`` without ``flag VALUE`` / ``flag=VALUE`` among torchrun's own options (those
+    before the training script or module), and the value."""
+    names = {flag, "--" + flag[2:].replace("-", "_")}   # torchrun takes both spellings
+    takes_value = _torchrun_options()
+    kept: list[str] = []
+    value = None
+    at = 0
+    while at < len(argv):
+        arg = argv[at]
+        if not arg.startswith("-") or arg in ("-m", "--module"):
+            kept += argv[at:]        # the script or module, and its arguments: not torchrun's
+            break
+        name, sep, setting = arg.partition("=")
+        if name in names:
+            value = setting if sep else (argv[at + 1] if at + 1 < len(argv) else None)
+            at += 1 if sep else 2
+            continue
+        kept.append(arg)
+        if not sep and takes_value.get(name, False) and at + 1 < len(argv):
+            kept.append(argv[at + 1])
+            at += 1
+        at += 1
+    return kept, value
+
+
+def _handle_signals(names: list[str]) -> None:
+    """What ``--signals-to-handle`` does from 2.10: each signal raises torchrun's
+    ``SignalException`` in its main thread, which stops the workers with that signal."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing import api
+
+    for name in filter(None, (n.strip() for n in names)):
+        signal.signal(getattr(signal, name), api._terminate_process_handler)
+
+
+def _hold_workers_after_signal(timeout_s: int) -> None:
+    """torchrun's process context waits ``timeout_s`` (not 30 s) for the workers after it
+    forwarded a signal, before it kills them (torch before 2.12)."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    close = api.PContext.close
+    if getattr(close, "timeout_s", None) is not None:
+        close = close.original
+
+    def close_after(self, death_sig=None, timeout: int = timeout_s) -> None:
+        return close(self, death_sig, timeout)
+
+    close_after.timeout_s = timeout_s
+    close_after.original = close
+    api.PContext.close = close_after

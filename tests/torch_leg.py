@@ -1,0 +1,157 @@
+"""One torch compatibility leg: a rendered project's torch-API tests on another torch release.
+
+    python tests/torch_leg.py 2.11.0              # make test-torch TORCH=2.11.0
+    python tests/torch_leg.py --install 2.9.0 2.11.0 2.15.0   # only the venvs (CI, ahead)
+
+``make test`` runs everything on the pinned release (2.13.0); a leg checks one other
+release the generated project claims (its pyproject.toml lists them):
+
+1. a venv of its own, ``.scratch/torch-<release>/venv``, with that torch from the package
+   registry (a CUDA build, which runs on the CPU; this machine class caps torch in
+   /etc/xdg/pip, which the leg's pip ignores: PIP_CONSTRAINT=/dev/null), reused when it
+   already holds that release;
+2. a default render, installed with ``pip install -e '.[test]'``: the venv's torch must be
+   kept (pip installs no torch when one in the range is there);
+3. the render's tests marked ``torch_api`` (every test that touches an API that differs
+   between releases, and the multi-rank runs on the paths that differ), and the same in
+   a render with the memory tier.
+
+Prints each phase's time; exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRATCH = REPO / ".scratch"
+# Installed beside torch in each leg's venv, with the generated project's own dependencies
+# and test extra (read from the template, test_requirements): xdist, to run the leg's
+# tests on both cores. The project's install then has nothing left to fetch.
+LEG_EXTRAS = ["pytest-xdist>=3.5"]
+# The renders of a leg: the default project, and one with the memory tier (its tests only).
+RENDERS = {"default": {}, "memory": {"memory_tier": True, "project_name": "mem-run"}}
+
+
+def leg_dir(release: str) -> Path:
+    return SCRATCH / f"torch-{release}"
+
+
+def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    print("+", " ".join(map(str, cmd)), flush=True)
+    return subprocess.run(cmd, check=False, **kwargs)
+
+
+def torch_of(python: Path) -> str | None:
+    if not python.exists():
+        return None
+    proc = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"],
+                          capture_output=True, text=True, check=False)
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def test_requirements() -> list[str]:
+    """A default render's dependencies and test extra, but torch, from the template's
+    pyproject.toml.jinja (the parts a default render leaves out dropped)."""
+    text = (REPO / "template" / "pyproject.toml.jinja").read_text(encoding="utf-8")
+    text = re.sub(r"{%\s*if .*?%}.*?{%\s*endif\s*%}", "", text, flags=re.DOTALL)
+    wanted = []
+    for name in ("dependencies", "test"):
+        block = re.search(rf"^{name} = \[(.*?)\]\s*$", text,
+                          re.MULTILINE | re.DOTALL).group(1)
+        wanted += re.findall(r'"([^"]+)"', block)
+    return [req for req in wanted if not re.match(r"torch\b", req)]
+
+
+def install(release: str) -> Path:
+    """The leg's venv with ``torch==release`` (kept when it already has it)."""
+    venv = leg_dir(release) / "venv"
+    python = venv / "bin" / "python"
+    have = torch_of(python)
+    if have is not None and have.split("+")[0] == release:
+        print(f"torch {have} already in {venv}", flush=True)
+        return python
+    shutil.rmtree(venv, ignore_errors=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    if run([sys.executable, "-m", "venv", str(venv)]).returncode != 0:
+        sys.exit(f"could not create {venv}")
+    # The registry's build of that release, past this machine class's cap on torch.
+    env = dict(os.environ, PIP_CONSTRAINT="/dev/null")
+    proc = run([str(python), "-m", "pip", "install", "--quiet", "--no-cache-dir",
+                f"torch=={release}", *test_requirements(), *LEG_EXTRAS], env=env)
+    if proc.returncode != 0 or torch_of(python) is None:
+        sys.exit(f"could not install torch {release} into {venv}")
+    return python
+
+
+def render(name: str, release: str) -> Path:
+    from copier import run_copy
+
+    dst = leg_dir(release) / name
+    shutil.rmtree(dst, ignore_errors=True)
+    run_copy(str(REPO), str(dst), data=RENDERS[name], defaults=True, quiet=True,
+             unsafe=False, vcs_ref="HEAD")
+    return dst
+
+
+def install_project(python: Path, project: Path) -> None:
+    """``pip install -e '.[test]'``; the venv's torch must stay what it was."""
+    before = torch_of(python)
+    proc = run([str(python), "-m", "pip", "install", "-e", f"{project}[test]"],
+               capture_output=True, text=True, env=dict(os.environ, PIP_CONSTRAINT="/dev/null"))
+    if proc.returncode != 0:
+        sys.exit(f"pip install -e '.[test]' failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    installed = next((line for line in proc.stdout.splitlines()
+                      if line.startswith("Successfully installed")), "")
+    after = torch_of(python)
+    print(f"torch before {before}, after {after}; {installed[:300]}", flush=True)
+    if after != before or any(word.startswith("torch-") for word in installed.split()):
+        sys.exit(f"pip install -e '.[test]' replaced the venv's torch {before} with {after}")
+
+
+def pytest(python: Path, project: Path, *args: str) -> int:
+    env = dict(os.environ, PYTHONPATH=str(project / "src"), OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1")
+    return run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "torch_api",
+                "--durations=15", *args], cwd=project, env=env).returncode
+
+
+def leg(release: str) -> int:
+    began = time.monotonic()
+    python = install(release)
+    installed = time.monotonic()
+    default = render("default", release)
+    memory = render("memory", release)
+    install_project(python, default)
+    ready = time.monotonic()
+    failed = pytest(python, default, "-n", "2", "tests")
+    failed |= pytest(python, memory, "tests/test_memory_tier.py")
+    done = time.monotonic()
+    print(f"torch {release} leg: {'FAILED' if failed else 'passed'}; venv {installed - began:.0f} s, "
+          f"renders and install {ready - installed:.0f} s, tests {done - ready:.0f} s",
+          flush=True)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--install", action="store_true",
+                        help="only create the venvs of these releases")
+    parser.add_argument("releases", nargs="+", metavar="RELEASE")
+    args = parser.parse_args(argv)
+    if args.install:
+        for release in args.releases:
+            install(release)
+        return 0
+    return max(leg(release) for release in args.releases)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
