@@ -15,6 +15,7 @@ out-of-memory killer or a stray ``kill -9`` does it:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -41,8 +42,6 @@ from conftest import (
     start,
     wait_until,
 )
-
-pytestmark = pytest.mark.slow
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "log.every_steps=10"]
 STEPS = 40
@@ -93,6 +92,7 @@ def launched(proc: subprocess.Popen, logs: Path, log: Path) -> tuple[int, list[i
     return agent, workers
 
 
+@pytest.mark.slow
 @pytest.mark.torch_api
 def test_a_killed_agent_leaves_resume_waiting_for_its_workers_and_exiting_75(run_dirs, tmp_path):
     log = tmp_path / "resume.log"
@@ -115,6 +115,7 @@ def test_a_killed_agent_leaves_resume_waiting_for_its_workers_and_exiting_75(run
     verify(run_dirs)
 
 
+@pytest.mark.slow
 def test_a_killed_resume_takes_its_launch_down_and_the_next_finishes_the_run(
         run_dirs, tmp_path, tmp_path_factory):
     # The uninterrupted run to compare with: the same two ranks, the same settings.
@@ -139,6 +140,7 @@ def test_a_killed_resume_takes_its_launch_down_and_the_next_finishes_the_run(
     assert final[STEPS] == expected[STEPS], (final[STEPS], expected[STEPS])
 
 
+@pytest.mark.slow
 @pytest.mark.torch_api
 def test_a_worker_killed_while_its_checkpoint_process_starts_leaves_nothing(run_dirs, tmp_path):
     """One process without torchrun: its checkpoint process is spawned before the first
@@ -152,6 +154,31 @@ def test_a_worker_killed_while_its_checkpoint_process_starts_leaves_nothing(run_
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     wait_gone(family, timeout=10)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a subreaper is Linux's")
+def test_resume_kills_and_names_a_process_of_its_launch_still_running_at_the_bound():
+    """The one case in which ``resume`` exits while a process it launched still runs:
+    past the bound. That process (here an orphan of the agent, deaf to SIGTERM) is killed
+    with its children, reaped, and named."""
+    reaper = project_module("launch.reaper")
+    orphan_code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                   "time.sleep(120)")
+    agent_code = ("import subprocess, sys; "
+                  f"subprocess.Popen([sys.executable, '-c', {orphan_code!r}]); sys.exit(0)")
+    said: list[str] = []
+    with contextlib.closing(reaper.Launch([sys.executable, "-c", agent_code])) as launch:
+        assert launch.wait() == 0
+        orphans = [pid for pid in children(os.getpid()) if b"time.sleep(120)" in cmdline(pid)]
+        assert len(orphans) == 1, orphans
+        began = time.monotonic()
+        killed = launch.wait_for_the_rest(1.0, said.append)
+        waited = time.monotonic() - began
+    assert 1.0 <= waited < 5, waited
+    assert len(killed) == 1 and "time.sleep(120)" in killed[0], killed
+    assert any(f"pid {pid} " in killed[0] for pid in orphans), (killed, orphans)
+    assert "still running" in said[0]
+    assert all(map(gone, orphans))
 
 
 @pytest.fixture
@@ -174,6 +201,7 @@ def s3_run(tmp_path, monkeypatch):
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_worker_killed_while_its_checkpoint_process_writes_leaves_nothing(s3_run, tmp_path):
     """The checkpoint process is uploading a save when the object store stops answering
     (the server frozen): a write that would hang for minutes. The worker is killed; its
