@@ -20,6 +20,7 @@ import importlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -290,6 +291,19 @@ def gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
+def wait_gone(pids: list[int], timeout: float) -> float:
+    """Seconds until every pid is gone; fails after ``timeout``, killing what is left."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        if all(map(gone, pids)):
+            return time.monotonic() - began
+        time.sleep(0.05)
+    alive = {pid: cmdline(pid)[:80] for pid in pids if not gone(pid)}
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"still alive {timeout:g} s later: {alive}")
+
+
 # ------------------------------------------------------------------ slow tests --
 
 def pytest_addoption(parser):
@@ -318,6 +332,9 @@ def moto_s3(monkeypatch, bucket: str):
     server_mod = pytest.importorskip("moto.server")
     fsspec = pytest.importorskip("fsspec")
     pytest.importorskip("s3fs")
+    # fsspec keeps one client per set of arguments, not per environment: a client made in
+    # this process for an earlier test's server would still point there.
+    fsspec.get_filesystem_class("s3").clear_instance_cache()
     server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

@@ -40,6 +40,7 @@ from conftest import (
     read_events,
     run_module,
     start,
+    wait_gone,
     wait_until,
 )
 
@@ -54,19 +55,6 @@ GRACE_S = project_module("config").load_config(ROOT / "configs/train.yaml").pree
 
 def child_running(parent: int, marker: bytes) -> list[int]:
     return [pid for pid in children(parent) if marker in cmdline(pid) and not gone(pid)]
-
-
-def wait_gone(pids: list[int], timeout: float) -> float:
-    """Seconds until every pid is gone; fails after ``timeout``, killing what is left."""
-    began = time.monotonic()
-    while time.monotonic() - began < timeout:
-        if all(map(gone, pids)):
-            return time.monotonic() - began
-        time.sleep(0.05)
-    alive = {pid: cmdline(pid)[:80] for pid in pids if not gone(pid)}
-    for pid in alive:
-        os.kill(pid, signal.SIGKILL)
-    raise AssertionError(f"still alive {timeout:g} s later: {alive}")
 
 
 def verify(dirs: dict[str, str]) -> None:
@@ -199,6 +187,7 @@ def s3_run(tmp_path, monkeypatch):
     finally:
         os.killpg(server.proc.pid, signal.SIGCONT)
         server.stop()
+        fsspec.get_filesystem_class("s3").clear_instance_cache()   # made for this server
 
 
 @pytest.mark.slow

@@ -25,10 +25,10 @@ from conftest import (
     _env,
     cmdline,
     descendants,
-    gone,
     overrides_for,
     project_module,
     read_events,
+    wait_gone,
     wait_until,
 )
 
@@ -49,19 +49,6 @@ def plain_torchrun(args: list[str], **popen) -> subprocess.Popen:
 
 def workers_of(proc: subprocess.Popen) -> list[int]:
     return [pid for pid in descendants(proc.pid) if f"{PACKAGE}.train".encode() in cmdline(pid)]
-
-
-def wait_gone(pids: list[int], timeout: float) -> float:
-    """Seconds until every pid is gone; fails after ``timeout``, killing what is left."""
-    began = time.monotonic()
-    while time.monotonic() - began < timeout:
-        if all(map(gone, pids)):
-            return time.monotonic() - began
-        time.sleep(0.1)
-    alive = [pid for pid in pids if not gone(pid)]
-    for pid in alive:
-        os.kill(pid, signal.SIGKILL)
-    raise AssertionError(f"still alive {timeout:g} s after their launcher died: {alive}")
 
 
 def committed(ckpt_dir: str) -> list[int]:

@@ -28,6 +28,7 @@ import select
 import threading
 
 from .. import PACKAGE
+from .process_tree import alive
 
 PARENT_ENV = f"{PACKAGE.upper()}_WORKER_PID"   # the worker's pid, as its children inherit it
 POLL_S = 0.25
@@ -50,7 +51,7 @@ def follow_parent() -> None:
     parent = os.getppid()
     handed = os.environ.get(PARENT_ENV, "")
     if handed.isdigit() and int(handed) != parent:
-        if not _alive(int(handed)):
+        if not alive(int(handed)):
             _end(int(handed))
         hand_down()
     thread = threading.Thread(target=_watch, args=(parent,), name="lifeline", daemon=True)
@@ -68,16 +69,6 @@ def say_if_heard(line: str) -> None:
             os.write(2, (line.rstrip("\n") + "\n").encode()[:512])   # below PIPE_BUF
     except (OSError, ValueError):
         pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _watch(parent: int) -> None:

@@ -36,6 +36,17 @@ def children(pid: int) -> list[int]:
     return [child for child, parent in _parents().items() if parent == pid]
 
 
+def alive(pid: int) -> bool:
+    """``pid`` exists (a zombie counts: it has not been reaped yet), whoever owns it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def command_of(pid: int) -> str:
     """The command line of ``pid``, for a message ("" once it has exited)."""
     try:

@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from ...runtime.exit_codes import error_line
+from ...runtime.process_tree import alive
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -73,16 +74,6 @@ def scheduler_job_id() -> str | None:
                  if os.environ.get(name, "") not in ("", "none")), None)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class Lease:
     def __init__(self, storage: Storage, *, stale_s: float, wait_s: float) -> None:
         self.storage = storage
@@ -114,7 +105,7 @@ class Lease:
         """Why ``owner`` no longer holds the lease, or None when it is live."""
         if now - owner.heartbeat > self.stale_s:
             return f"no heartbeat for {now - owner.heartbeat:.0f} s"
-        if owner.host == self.me.host and not _alive(owner.pid):
+        if owner.host == self.me.host and not alive(owner.pid):
             return f"process {owner.pid} on this host has ended"
         job = scheduler_job_id()
         if job is not None and owner.job_id == job:
