@@ -27,13 +27,11 @@ import os
 import signal
 import sys
 import threading
-import time
 
-from ..runtime.lifeline import say_if_heard
+from ..runtime.lifeline import on_parent_gone, say_if_heard
 from ..runtime.torch_compat import torchrun_arguments
 
 ORPHAN_SIGNAL = "--orphan-signal="   # the agent's own option; first, before torchrun's
-POLL_S = 0.25                        # how often the agent looks at its parent
 
 
 def watched(command: list[str], stop: str) -> list[str]:
@@ -45,22 +43,16 @@ def watched(command: list[str], stop: str) -> list[str]:
     return [*command[:at + 1], f"{ORPHAN_SIGNAL}{stop}", *command[at + 1:]]
 
 
-def watch_parent(stop: signal.Signals, poll_s: float = POLL_S) -> threading.Thread:
-    """Give this process ``stop`` once its parent has changed (a daemon thread)."""
+def watch_parent(stop: signal.Signals) -> threading.Thread:
+    """Give this process ``stop`` once its parent is gone."""
     parent = os.getppid()
 
-    def watch() -> None:
-        while True:
-            time.sleep(poll_s)
-            if os.getppid() != parent:
-                os.kill(os.getpid(), stop)   # first: a line nobody reads must not cost it
-                say_if_heard(f"torchrun: the process that started it ({parent}) is gone: "
-                             f"stopping the workers with {stop.name}")
-                return
+    def stop_workers() -> None:
+        os.kill(os.getpid(), stop)   # first: a line nobody reads must not cost it
+        say_if_heard(f"torchrun: the process that started it ({parent}) is gone: "
+                     f"stopping the workers with {stop.name}")
 
-    thread = threading.Thread(target=watch, name="resume-watch", daemon=True)
-    thread.start()
-    return thread
+    return on_parent_gone(parent, stop_workers, name="resume-watch")
 
 
 def main(argv: list[str]) -> int:

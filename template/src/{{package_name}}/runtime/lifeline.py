@@ -16,7 +16,8 @@ torch (the first second or two of its life).
 - ``hand_down()``, in the worker before it starts any child: its pid goes into the
   environment children inherit, so that a spawned child which finds itself orphaned
   before its first look (the worker died while the child was starting) ends at once.
-- ``follow_parent()``, in the child: the watch.
+- ``follow_parent()``, in the child: the watch (``on_parent_gone``, which the agent uses
+  to watch ``resume`` too).
 - ``say_if_heard(line)``: one line to stderr when it can take it now, never blocking
   (a process ending because the one above it is gone may have nobody reading).
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import os
 import select
 import threading
+from collections.abc import Callable
 
 from .. import PACKAGE
 from .process_tree import alive
@@ -54,8 +56,22 @@ def follow_parent() -> None:
         if not alive(int(handed)):
             _end(int(handed))
         hand_down()
-    thread = threading.Thread(target=_watch, args=(parent,), name="lifeline", daemon=True)
+    on_parent_gone(parent, lambda: _end(parent), name="lifeline")
+
+
+def on_parent_gone(parent: int, action: Callable[[], None], *, name: str) -> threading.Thread:
+    """Call ``action`` once, in a daemon thread, when this process's parent is no longer
+    ``parent`` (it died: the process was re-parented). Looked at every ``POLL_S``."""
+    def watch() -> None:
+        event = threading.Event()
+        while not event.wait(POLL_S):
+            if os.getppid() != parent:
+                action()
+                return
+
+    thread = threading.Thread(target=watch, name=name, daemon=True)
     thread.start()
+    return thread
 
 
 def say_if_heard(line: str) -> None:
@@ -69,13 +85,6 @@ def say_if_heard(line: str) -> None:
             os.write(2, (line.rstrip("\n") + "\n").encode()[:512])   # below PIPE_BUF
     except (OSError, ValueError):
         pass
-
-
-def _watch(parent: int) -> None:
-    event = threading.Event()
-    while not event.wait(POLL_S):
-        if os.getppid() != parent:
-            _end(parent)
 
 
 def _end(parent: int) -> None:
