@@ -169,6 +169,67 @@ def test_resume_kills_and_names_a_process_of_its_launch_still_running_at_the_bou
     assert all(map(gone, orphans))
 
 
+# A worker's stand-in: its checkpoint process is spawned as DCP spawns it, so the child
+# runs the train command's module as ``__mp_main__``; the stand-in takes SIGTERM with a
+# handler that defers the stop (as a worker's stop path does) and exits on a file, ending its daemon child as multiprocessing
+# does at exit: a SIGTERM from the parent.
+WORKER_STAND_IN = """
+import __main__, importlib.util, multiprocessing, os, signal, sys, time
+from pathlib import Path
+if __name__ == "__main__":
+    __main__.__spec__ = importlib.util.find_spec(sys.argv[2] + ".train")
+    signal.signal(signal.SIGTERM, lambda *_: None)   # a handler, as a worker's: not inherited
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(600,), daemon=True)
+    child.start()
+    out = Path(sys.argv[1])
+    (out / "child.part").write_text(str(child.pid))
+    os.replace(out / "child.part", out / "child")
+    deadline = time.monotonic() + 60
+    while not (out / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+def threads(pid: int) -> int:
+    """How many threads ``pid`` runs (0 once it is gone)."""
+    with contextlib.suppress(OSError):
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines()
+                        if line.startswith("Threads:")))
+    return 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_stop_signal_to_the_group_leaves_the_checkpoint_process_to_its_worker(tmp_path):
+    """torchrun stops a worker with a signal to its process group, which DCP's checkpoint
+    process is in: the checkpoint process must not die of it in the middle of a background
+    save. It ends when the worker ends it (multiprocessing's SIGTERM at the worker's exit)."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER_STAND_IN)
+    log = tmp_path / "worker.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), PACKAGE], cwd=ROOT,
+                                env=_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_until(lambda: (tmp_path / "child").exists(), proc, "the checkpoint process",
+                   timeout=60, log_file=log)
+        child = int((tmp_path / "child").read_text())
+        # Its parent watch runs (a second thread): the command module's first lines ran.
+        wait_until(lambda: gone(child) or threads(child) >= 2, proc,
+                   "the checkpoint process's parent watch", timeout=60, log_file=log)
+        os.killpg(proc.pid, signal.SIGTERM)
+        time.sleep(1.0)
+        assert not gone(child), "the checkpoint process died of a SIGTERM to its group"
+        (tmp_path / "go").touch()
+        assert finish(proc, 30) == 0, log.read_text()
+        wait_gone([child], timeout=5)
+        assert "Traceback" not in log.read_text(), log.read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 @pytest.fixture
 def s3_run(tmp_path, monkeypatch):
     """A SeaweedFS S3 server and a bucket for one run (skipped without its binary); the

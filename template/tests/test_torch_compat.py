@@ -121,7 +121,8 @@ HOLDING_WORKER = textwrap.dedent("""
         out.write_text("saved")
         sys.exit(0)
     signal.signal(signal.SIGUSR1, stop)
-    (out.parent / "ready").write_text(str(os.getpid()))
+    (out.parent / "ready.part").write_text(str(os.getpid()))
+    os.replace(out.parent / "ready.part", out.parent / "ready")   # never seen empty
     while True:
         time.sleep(0.1)
 """)

@@ -13,7 +13,9 @@ if __name__ == "__main__":  # a stop signal during the imports below is kept, no
     early.hold()
     lifeline.hand_down()      # the processes it starts end with it
 elif __name__ == "__mp_main__":  # DCP's checkpoint process, spawned by this command
-    lifeline.follow_parent()
+    from .preemption.early import HELD
+
+    lifeline.follow_parent(stop_signals=HELD)   # a stop is the worker's to decide
 
 from .loop.job import main  # after the hold
 

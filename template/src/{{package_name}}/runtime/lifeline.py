@@ -17,7 +17,8 @@ torch (the first second or two of its life).
   environment children inherit, so that a spawned child which finds itself orphaned
   before its first look (the worker died while the child was starting) ends at once.
 - ``follow_parent()``, in the child: the watch (``on_parent_gone``, which the agent uses
-  to watch ``resume`` too).
+  to watch ``resume`` too). With ``stop_signals``, a stop signal ends the child only when
+  its parent sends it: the worker's stop path decides, not a signal to the whole group.
 - ``say_if_heard(line)``: one line to stderr when it can take it now, never blocking
   (a process ending because the one above it is gone may have nobody reading).
 """
@@ -26,8 +27,9 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .. import PACKAGE
 from .process_tree import alive
@@ -42,15 +44,17 @@ def hand_down() -> None:
     os.environ[PARENT_ENV] = str(os.getpid())
 
 
-def follow_parent() -> None:
+def follow_parent(stop_signals: Sequence[int] = ()) -> None:
     """In a child: end this process once its parent is no longer the one it started with.
 
     The parent is the worker named by ``hand_down`` when that worker is this process's
     parent or has died (the child was orphaned while starting: it ends here and now);
     otherwise (a DataLoader worker's own child, a forkserver's) the parent of this moment,
-    whose children are then told it is theirs.
+    whose children are then told it is theirs. ``stop_signals``: see ``_only_from``.
     """
     parent = os.getppid()
+    if stop_signals:
+        _only_from(parent, stop_signals)   # before any thread starts: they inherit the mask
     handed = os.environ.get(PARENT_ENV, "")
     if handed.isdigit() and int(handed) != parent:
         if not alive(int(handed)):
@@ -85,6 +89,31 @@ def say_if_heard(line: str) -> None:
             os.write(2, (line.rstrip("\n") + "\n").encode()[:512])   # below PIPE_BUF
     except (OSError, ValueError):
         pass
+
+
+def _only_from(parent: int, stop_signals: Sequence[int]) -> None:
+    """``stop_signals`` end this process when ``parent`` sends them, and only then.
+
+    torchrun's agent stops its workers with a signal to each worker's process group, and a
+    terminal's Ctrl-C or a scheduler's signal reaches the whole group too. DCP's checkpoint
+    process is in that group: ended first, it cuts off the background save in flight (the
+    save fails; a traceback comes from the worker's end of their pipe). The worker's stop
+    path decides instead; the signal its parent sends (multiprocessing ends a daemon child
+    with SIGTERM at the parent's exit) ends it as before. Blocked in every thread, taken
+    by one that reads the sender (Linux; elsewhere, without ``sigwaitinfo``, they act as
+    they always did).
+    """
+    if not hasattr(signal, "sigwaitinfo"):
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+
+    def take() -> None:
+        while True:
+            info = signal.sigwaitinfo(stop_signals)
+            if info.si_pid == parent:
+                os._exit(128 + info.si_signo)   # as the signal's default action would
+
+    threading.Thread(target=take, name="lifeline-signals", daemon=True).start()
 
 
 def _end(parent: int) -> None:
