@@ -318,7 +318,7 @@ def test_every_file_the_user_owns_keeps_its_edits_through_an_update(tmp_path):
     assert "  d_model: 48" in config.read_text() and "  corpus_chars: 50000" in config.read_text()
 
 
-# The last commit before the package was reorganised into folders (CHANGELOG, Unreleased):
+# The last commit before the package was reorganised into folders (CHANGELOG, v0.2.0):
 # projects rendered from it must update to today's layout. It is also the commit the
 # oldest supported release, v0.1.0, was cut at (CHANGELOG.md names each release's commit).
 BEFORE_FOLDERS = "6d2ca9d"
