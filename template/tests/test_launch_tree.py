@@ -171,8 +171,8 @@ def test_resume_kills_and_names_a_process_of_its_launch_still_running_at_the_bou
 
 # A worker's stand-in: its checkpoint process is spawned as DCP spawns it, so the child
 # runs the train command's module as ``__mp_main__``; the stand-in takes SIGTERM with a
-# handler that defers the stop (as a worker's stop path does) and exits on a file, ending its daemon child as multiprocessing
-# does at exit: a SIGTERM from the parent.
+# handler that defers the stop (as a worker's stop path does) and exits on a file,
+# ending its daemon child as multiprocessing does at exit: a SIGTERM from the parent.
 WORKER_STAND_IN = """
 import __main__, importlib.util, multiprocessing, os, signal, sys, time
 from pathlib import Path

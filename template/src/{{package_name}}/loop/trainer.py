@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from ..checkpoint import Checkpointer, Committed
 from ..checkpoint.state import Progress, RankRNG, training_state
 from ..config import Config, TaskContext, to_plain_dict
+from ..preemption.early import HELD as STOP_SIGNALS
 from ..recovery.watchdog import StepWatchdog
 from ..runtime.distributed import Runtime
 from ..runtime.lifeline import follow_parent
@@ -37,7 +38,6 @@ from .task_contract import Task, default_optimizer
 # Names the harness writes in every step event; a task's metrics may not reuse them.
 STEP_FIELDS = ("event", "time", "step", "loss", "grad_norm", "lr", "step_time_s",
                "samples_per_s")
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # How long a failed batch read waits for a DataLoader worker that is dying to be reaped.
 WORKER_EXIT_WAIT_S = 5.0
 
@@ -61,7 +61,7 @@ def rank_seed(seed: int, step: int, rank: int) -> int:
 def _ignore_preemption_signals(_worker_id: int) -> None:
     # DataLoader workers share the trainer's process group: a signal sent to it must reach
     # the trainer's stop path, not kill them first. They end with their parent instead.
-    for sig in PREEMPTION_SIGNALS:
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     follow_parent()
 
