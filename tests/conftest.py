@@ -78,31 +78,21 @@ def full_project(tmp_path_factory) -> Path:
     return render(tmp_path_factory.mktemp("full") / "my-run", **FULL)
 
 
-# The longest tests first, so that with `pytest -n N --dist worksteal` (which gives each
-# worker one of N consecutive shares of the list to start from, and steals from a
-# queue's end) each worker starts one at once: make test's three parts of the full
-# render's suite, each at the head of a share, the upgrade test (the next longest) after
-# the first; make check's longest, the default render's fast tier (itself two processes),
-# at the head of the first. With fewer workers than heads, the extra heads go with the last.
-HEADS = (("test_full_project_own_test_suite_passes[first]",
-          "test_default_project_fast_tier_passes",
-          "test_a_v0_1_0_project_updates_passes_its_own_suite_and_resumes_its_checkpoint"),
-         ("test_full_project_own_test_suite_passes[second]",),
-         ("test_full_project_own_test_suite_passes[third]",))
+# The longest tests first, so that with `pytest -n 2 --dist worksteal` (each worker
+# starts from its half of the list) each worker starts one at once: make test's two
+# halves of the full render's suite, the first at the head of the list and the second
+# at its middle, the upgrade test (the next longest) after the first; make check's
+# longest, the default render's fast tier (itself two processes), at the head.
+HEAD_OF_FIRST = ("test_full_project_own_test_suite_passes[first]",
+                 "test_default_project_fast_tier_passes",
+                 "test_a_v0_1_0_project_updates_passes_its_own_suite_and_resumes_its_checkpoint")
+HEAD_OF_SECOND = ("test_full_project_own_test_suite_passes[second]",)
 
 
 def pytest_collection_modifyitems(config, items):
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    named = {item.name: item for item in items}
-    heads = [[] for _ in range(workers)]
-    for share, group in enumerate(HEADS):
-        heads[min(share, workers - 1)] += [named[n] for n in group if n in named]
-    placed = {id(item) for group in heads for item in group}
-    rest = [item for item in items if id(item) not in placed]
-    ordered, left = [], len(items)
-    for share, group in enumerate(heads):   # worksteal's shares: left // workers remaining
-        size = left // (workers - share)
-        take = max(0, size - len(group))
-        ordered += group + rest[:take]
-        rest, left = rest[take:], left - size
-    items[:] = ordered + rest
+    longest = {item.name: item for item in items if item.name in HEAD_OF_FIRST + HEAD_OF_SECOND}
+    rest = [item for item in items if item.name not in longest]
+    first = [longest[n] for n in HEAD_OF_FIRST if n in longest]
+    second = [longest[n] for n in HEAD_OF_SECOND if n in longest]
+    middle = max(0, (len(items) + 1) // 2 - len(first))
+    items[:] = first + rest[:middle] + second + rest[middle:]

@@ -107,51 +107,38 @@ def test_default_project_fast_tier_passes(default_project, request):
 
 # The slow tier of a render with every optional part (conftest.FULL; its fast tier runs
 # once, in the upgrade test, tests/test_update.py, and the default render's in make
-# check), in three parts of about the same length, one per xdist worker of make test
-# (conftest puts them at the head of each worker's queue): the real servers and the
-# node-loss drills; the other drills; the rest. Three, not two: these runs wait on their
-# processes (a grace, a rendezvous timeout, a server's restart) for about a quarter of
-# their time, which a third part fills. The drills run fewer rounds here than a generated
+# check), in two halves of about the same length, one per xdist worker (conftest puts
+# them at the head of each worker's queue): the kill loop, the real servers and the
+# node-loss drills, and the rest. The drills run fewer rounds here than a generated
 # project's own defaults (DRILL_ROUNDS: kills of the kill loop, the phases a SIGTERM
 # lands in, ...): the defaults are for a run of their own (docs/RECOVERY.md's figures),
 # and every kind of check still runs.
-PARTS = {
-    "first": {"test_object_store.py", "test_memory_tier.py", "test_node_loss.py",
-              "test_tracking.py"},
-    "second": {"test_kill_loop.py", "test_nodes.py", "test_compile.py", "test_stop_phases.py",
-               "test_goodput.py", "test_soak.py", "test_bench.py", "test_hf.py"},
-}   # "third": every other file of the generated suite
+FIRST_HALF = {"test_kill_loop.py", "test_object_store.py", "test_tracking.py",
+              "test_compile.py", "test_node_loss.py", "test_memory_tier.py",
+              "test_stop_phases.py", "test_nodes.py", "test_goodput.py"}
 DRILL_ROUNDS = {"KILL_LOOP_KILLS": "6", "STOP_PHASES": "resume-imports,loaded,saving"}
 
 
-def part_files(files: list[str], part: str) -> list[str]:
-    if part in PARTS:
-        return [f for f in files if f in PARTS[part]]
-    named = set().union(*PARTS.values())
-    return [f for f in files if f not in named]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("part", ["first", "second", "third"])
-def test_full_project_own_test_suite_passes(full_project, tmp_path, part):
+@pytest.mark.parametrize("half", ["first", "second"])
+def test_full_project_own_test_suite_passes(full_project, tmp_path, half):
     files = sorted(p.name for p in (full_project / "tests").glob("test_*.py"))
-    for named in PARTS.values():
-        assert named <= set(files), named - set(files)
-    chosen = part_files(files, part)
+    assert FIRST_HALF <= set(files)
+    chosen = [f for f in files if (f in FIRST_HALF) == (half == "first")]
     env = dict(os.environ, PYTHONPATH=str(full_project / "src"), OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1", **DRILL_ROUNDS)
-    log = tmp_path / f"{part}.log"
+    log = tmp_path / f"{half}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-             "-m", "slow", "--durations=30", "--basetemp", str(tmp_path / part), *[f"tests/{f}" for f in chosen]],
+             "-m", "slow", "--durations=30", "--basetemp", str(tmp_path / half), *[f"tests/{f}" for f in chosen]],
             cwd=full_project, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         code = proc.wait(timeout=3600)
     except subprocess.TimeoutExpired:
         proc.kill()
         code = proc.wait()
-    assert code == 0, f"the {part} part exited {code}:\n" + log.read_text()[-6000:]
+    assert code == 0, f"the {half} half exited {code}:\n" + log.read_text()[-6000:]
 
 
 # make test renders and trains every set (about 30 s each); make check renders unusual

@@ -1,6 +1,7 @@
 """The benchmark runs end to end and reports figures that make sense."""
 
 import json
+import time
 
 import pytest
 
@@ -78,3 +79,40 @@ def test_bench_restart_is_refused_under_torchrun(monkeypatch):
     proc = run_module("bench", "--restart", check=False)
     assert proc.returncode == 2 and "not under torchrun" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+class _EverySaveInFlight:
+    """A checkpointer on a machine so busy that each save is still in flight at the next
+    save's step: only ``wait_for_save`` finishes one."""
+
+    failed_saves = 0
+
+    def __init__(self):
+        self.interval, self.save_in_flight = None, False
+
+    def set_interval(self, steps):
+        self.interval = steps
+
+    def save_due(self, step):
+        return step > 0 and step % self.interval == 0
+
+    def at_step_end(self, step):
+        self.save_in_flight = self.save_in_flight or self.save_due(step)
+
+    def wait_for_save(self):
+        self.save_in_flight = False
+
+
+def test_the_stall_is_measured_when_every_save_is_still_in_flight_at_the_next():
+    bench_loop = project_module("tools.bench_loop")
+
+    class Trainer:
+        progress = type("Progress", (), {"step": 0})()
+
+        def train_step(self, batches):
+            time.sleep(0.001)
+
+    bench = bench_loop.Bench(Trainer(), _EverySaveInFlight(), iter(()))
+    figures = bench_loop.measure_stall(bench, saves=3, commit_s=0.0)
+    assert figures["counts"]["save"] == 3 and figures["counts"]["clean"] >= 1, figures
+    assert isinstance(figures["stall"], float), figures
