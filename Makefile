@@ -22,16 +22,18 @@ venv-demo: $(VENV)/.demo-installed
 # class serves from a local file. pip is left as the system ships it (a newer pip was seen
 # to pick the multi-GB CUDA build of the same version instead). The rest with uv, which
 # keeps that torch (it satisfies the pin) and installs the dev extra in about 30 s where
-# pip took about 3 minutes (a fresh machine, no cache).
-UV := $(VENV)/bin/uv
+# pip took about 3 minutes (a fresh machine, no cache). --compile-bytecode, as pip does:
+# where PYTHONDONTWRITEBYTECODE is set (this machine class sets it), a package installed
+# without its .pyc files is compiled again by every process that imports it.
+UV := $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY)
 $(VENV)/.demo-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0 uv
-	$(UV) pip install --quiet --python $(PY) -e '.[demo]'
+	$(UV) -e '.[demo]'
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.demo-installed
-	$(UV) pip install --quiet --python $(PY) -e '.[dev]'
+	$(UV) -e '.[dev]'
 	$(PY) -c "import torch; print('torch', torch.__version__)"
 	touch $@
 
