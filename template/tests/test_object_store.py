@@ -243,8 +243,8 @@ def _newest_step(logs: Path) -> int:
 @pytest.mark.slow
 def test_an_s3_outage_of_many_save_intervals_within_the_time_budget_costs_no_stop(
         s3_server, s3_bucket, tmp_path):
-    """The server stopped until more than checkpoint.max_failed_saves saves in a row have
-    failed (each waits out the S3 client's own retries: 15 to 30 s), for less than
+    """The server stopped until checkpoint.max_failed_saves saves in a row have failed
+    (each waits out the S3 client's own retries: 15 to 30 s), for less than
     checkpoint.max_failed_saves_s: training goes on, commits again once the server is
     back, and finishes with 0. The count alone stopped it with 73 during the outage.
     A count of 1 (the default is 3) is spent at the first failed save: a shorter outage."""
