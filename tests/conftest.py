@@ -46,6 +46,13 @@ def events(log_dir: Path, kind: str) -> list[dict]:
     return [e for e in map(json.loads, lines) if e["event"] == kind]
 
 
+def project_files(project: Path) -> list[Path]:
+    """The files of a generated project that are its own: not git's, not the bytecode
+    Python caches (``__pycache__``), not checkpoints a test wrote."""
+    skip = {".git", "__pycache__", "checkpoints"}
+    return [p for p in project.rglob("*") if p.is_file() and not skip & set(p.parts)]
+
+
 def package_of(project: Path) -> str:
     return next(p.parent.name for p in (project / "src").glob("*/train.py"))
 

@@ -116,7 +116,7 @@ def test_default_project_fast_tier_passes(default_project, request):
 FIRST_HALF = {"test_kill_loop.py", "test_object_store.py", "test_tracking.py",
               "test_compile.py", "test_node_loss.py", "test_memory_tier.py",
               "test_stop_phases.py", "test_nodes.py", "test_goodput.py"}
-DRILL_ROUNDS = {"KILL_LOOP_KILLS": "6", "STOP_PHASES": "resume-imports,loaded,saving"}
+DRILL_ROUNDS = {"KILL_LOOP_KILLS": "4", "STOP_PHASES": "resume-imports,loaded,saving"}
 
 
 @pytest.mark.slow

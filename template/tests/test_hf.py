@@ -209,9 +209,9 @@ def test_drill_llama_on_tokens_two_ranks_to_one(drill_two_to_one):
 
 
 def steps_of_last_run(log_dir: Path) -> dict[int, tuple[float, float]]:
-    events = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    first = max(i for i, e in enumerate(events) if e["event"] == "start")
-    return {e["step"]: (e["loss"], e["grad_norm"]) for e in events[first:] if e["event"] == "step"}
+    """(loss, grad norm) by step of the newest run in ``log_dir``, as the drill reads it."""
+    run = project_module("tools.drill_report").split_runs(log_dir)[-1]
+    return {step: (e["loss"], e["grad_norm"]) for step, e in run.steps.items()}
 
 
 @pytest.mark.slow

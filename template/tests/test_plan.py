@@ -7,11 +7,12 @@ import dataclasses
 import json
 import math
 import random
+import subprocess
 import sys
 
 import pytest
 
-from conftest import project_module, run_module
+from conftest import PACKAGE, ROOT, _env, project_module, run_module
 
 FLAG_ORDER = ("--mtbi-hours", "--step-seconds", "--blocking-seconds", "--commit-latency-seconds",
               "--restart-seconds", "--badput-target-percent")
@@ -280,6 +281,23 @@ def test_errors_and_help_from_a_real_process(tmp_path):
     assert "--step-seconds" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert "--badput-target-percent" in run_module("plan", "--help", cwd=tmp_path).stdout
+
+
+def test_plan_and_goodput_import_no_torch(tmp_path):
+    """The commands that only read settings and records start without torch (about 2.5 s
+    of CPU a start): plan, run for real in the project, and goodput."""
+    code = ("import runpy, sys\n"
+            "for command, args in (('plan', ['--json']), ('goodput', ['--help'])):\n"
+            "    sys.argv = [command, *args]\n"
+            "    try:\n"
+            f"        runpy.run_module('{PACKAGE}.' + command, run_name='__main__')\n"
+            "    except SystemExit as end:\n"
+            "        assert end.code in (0, None), (command, end.code)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "[]"
 
 
 def test_text_output_shows_the_plan(run_plan, model):

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import ROOT, gone, project_module, read_metrics, run_module, torchrun
+from conftest import ROOT, gone, project_module, run_module, torchrun
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
 STEPS, RESUME_AT = 8, 4
@@ -57,10 +57,10 @@ def resume_from(reference: Path, base: Path, nproc: int, *extra: str) -> subproc
 
 
 def last_run(log_dir: Path) -> tuple[dict, dict[int, dict]]:
-    """The start event and the step events of the newest run logged in ``log_dir``."""
-    events = read_metrics(log_dir)
-    first = max(i for i, e in enumerate(events) if e["event"] == "start")
-    return events[first], {e["step"]: e for e in events[first:] if e["event"] == "step"}
+    """The start event and the step events of the newest run logged in ``log_dir`` (the
+    drill's own reading: a restart that found the run finished is not a run)."""
+    run = project_module("tools.drill_report").split_runs(log_dir)[-1]
+    return run.start, run.steps
 
 
 def dry_run(capsys, *args: str) -> tuple[int, str, str]:
@@ -354,6 +354,28 @@ def test_drill_verdict_needs_exact_equality_on_the_same_world_size():
     short = report.compare(ref, run({6: 3.5}))
     passed, why = report.judge(short, same_world=True, expected_steps=steps, problems=[])
     assert not passed and "expected 5-6" in why
+
+
+def test_a_restart_that_found_the_run_finished_is_not_a_run(tmp_path):
+    """A worker that aborts in torch's teardown after the last step (seen on torch 2.11)
+    is restarted in place by torchrun; that start trains nothing and is left out, where a
+    restart that trains on, or a start elsewhere, is a run."""
+    def log(*events):
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+    def start(step):
+        return {"event": "start", "step": step}
+
+    def step(n):
+        return {"event": "step", "step": n, "loss": 1.0, "grad_norm": 1.0}
+
+    split = project_module("tools.drill_report").split_runs
+    log(start(0), step(1), step(2), start(2))
+    assert [(r.start["step"], sorted(r.steps)) for r in split(tmp_path)] == [(0, [1, 2])]
+    log(start(0), step(1), step(2), start(1), step(2))
+    assert [r.start["step"] for r in split(tmp_path)] == [0, 1]
+    log(start(0), step(1), start(0))          # a restart with no checkpoint: from the start
+    assert [r.start["step"] for r in split(tmp_path)] == [0, 0]
 
 
 @pytest.mark.slow

@@ -7,8 +7,18 @@ the task (task.py imports it for its type, and nothing else of the harness).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+
+def _cpu() -> torch.device:
+    # torch imported here, not above: the config package is also what the commands that
+    # only read settings (plan, goodput) import, and they stay free of torch.
+    import torch
+
+    return torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -22,4 +32,4 @@ class TaskContext:
     first_start: bool = True
     rank: int = 0
     world_size: int = 1
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device: torch.device = field(default_factory=_cpu)

@@ -48,14 +48,21 @@ class Run:
 
 
 def split_runs(log_dir: Path) -> list[Run]:
-    """The runs that appended to ``log_dir/metrics.jsonl``, in order (one per start event)."""
+    """The runs that appended to ``log_dir/metrics.jsonl``, in order (one per start event).
+
+    A start that trained no step where the run before it ended is left out: a worker can
+    abort in torch's own teardown after its last step (seen on torch 2.11: "terminate
+    called without an active exception" at exit), torchrun then restarts the workers in
+    place, and they find the run finished. That restart is not a run of its own.
+    """
     runs: list[Run] = []
     for event in read_events(log_dir, Event.start, Event.step)[0]:
         if event["event"] == Event.start:
             runs.append(Run(event))
         elif runs:
             runs[-1].steps[int(event["step"])] = event
-    return runs
+    return [run for i, run in enumerate(runs)
+            if i == 0 or run.steps or run.start.get("step") != runs[i - 1].last_step]
 
 
 def compare(reference: dict[int, dict], other: dict[int, dict]) -> dict[str, Any]:

@@ -17,9 +17,10 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import StorageWriter
 
 from ...config import OBJECT_STORE_SCHEMES
 from ...runtime.exit_codes import error_line
@@ -124,6 +125,8 @@ class LocalStorage:
         (self.root / name).unlink(missing_ok=True)
 
     def writer(self, name: str) -> StorageWriter:
+        from torch.distributed.checkpoint import FileSystemWriter  # torch only when saving
+
         return FileSystemWriter(self.path(name), sync_files=True)
 
     def open_read(self, name: str) -> IO[bytes]:
