@@ -4,6 +4,9 @@ Data flows one way: the trainer builds the model, data, loss and optimizer from 
 user's task (task.py, through ``task_contract``), owns the data position and RNG, and
 hands the state to the save policy once per step. When to save lives in
 ``checkpoint.policy``; how to stop in ``stop``. Nothing below the trainer calls back up.
+
+(A few lines over 400: the DataLoader's workers, ended at exit and named when one dies,
+stay beside the loop that starts them.)
 """
 
 from __future__ import annotations
