@@ -21,10 +21,11 @@ import pytest
 from conftest import project_module, read_events, read_metrics, run_module, start, wait_until
 
 KILLS = int(os.environ.get("KILL_LOOP_KILLS", "100"))
-# Well past what the kills reach: each kill waits for at most 6 more steps, a quarter of
-# them none, and every resume redoes a step or two; 12 more keep a few kills (the
-# template's own CI runs 4) from reaching the end, which ends the loop early.
-MAX_STEPS = int(os.environ.get("KILL_LOOP_STEPS", str(3 * KILLS + 12)))
+# Well past what the kills reach: each kill waits for at most 6 more logged steps (and
+# half a second), a quarter of them for none, and every resume redoes a step or two. 30
+# more keep a few kills from reaching the end, which ends the loop early (4 kills, the
+# template's own CI, reached step 20 where 3 a kill gave 12).
+MAX_STEPS = int(os.environ.get("KILL_LOOP_STEPS", str(3 * KILLS + 30)))
 MODEL = ["model.d_model=192", "model.n_layers=3", "model.dropout=0.1", "log.every_steps=1000",
          "train.micro_batch_size=16", "checkpoint.interval_steps=2", "checkpoint.keep_last=3",
          f"train.max_steps={MAX_STEPS}", "checkpoint.async_mode=process"]
