@@ -46,11 +46,16 @@ def events(log_dir: Path, kind: str) -> list[dict]:
     return [e for e in map(json.loads, lines) if e["event"] == kind]
 
 
-def project_files(project: Path) -> list[Path]:
-    """The files of a generated project that are its own: not git's, not the bytecode
-    Python caches (``__pycache__``), not checkpoints a test wrote."""
+def assert_merged(project: Path) -> None:
+    """After a ``copier update``: no file of the project holds a conflict marker, and
+    no ``.rej`` file (a hunk copier could not apply) was left. Not read: git's files,
+    the bytecode Python caches (a ``.pyc`` holds the docstrings that name the markers)
+    and checkpoints a test wrote."""
     skip = {".git", "__pycache__", "checkpoints"}
-    return [p for p in project.rglob("*") if p.is_file() and not skip & set(p.parts)]
+    for path in (p for p in project.rglob("*") if p.is_file() and not skip & set(p.parts)):
+        text = path.read_text(errors="replace")
+        assert "<<<<<<<" not in text and ">>>>>>>" not in text, path
+        assert not path.name.endswith(".rej"), path
 
 
 def package_of(project: Path) -> str:

@@ -17,7 +17,7 @@ import yaml
 from copier import run_update
 from test_update import generated_project, snapshot_template
 
-from conftest import git, package_of, project_files, render, run_in
+from conftest import assert_merged, git, package_of, render, run_in
 
 # What each part adds to a render, below src/<package>/ and tests/.
 PART_FILES = {
@@ -127,9 +127,7 @@ def test_an_update_adds_the_memory_tier_to_a_project_that_has_trained(tmp_path):
     added = {line[3:] for line in changed if line.startswith(("??", "A "))}
     assert f"src/{package}/checkpoint/memory/tier.py" in added and \
         "tests/test_memory_tier.py" in added, changed
-    for path in project_files(project):
-        assert "<<<<<<<" not in path.read_text(errors="replace"), path
-        assert not path.name.endswith(".rej"), path
+    assert_merged(project)
 
     suite = run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
                    "tests/test_memory_tier.py", timeout=900, check=False)

@@ -20,7 +20,7 @@ import pytest
 from copier import run_copy, run_update
 from test_update import snapshot_template
 
-from conftest import REPO, events, git, package_of, project_files
+from conftest import REPO, assert_merged, events, git, package_of
 
 SHORT = ["model.d_model=32", "model.n_layers=1", "train.max_steps=400",
          "checkpoint.interval_steps=10", "log.every_steps=10"]
@@ -89,8 +89,7 @@ def test_the_readme_path_ends_saved_and_resumable(tmp_path):
     git(template, "tag", "v1.0.1")
     run_update(str(project), defaults=True, overwrite=True, quiet=True, unsafe=False)
     assert "Updated." in (project / "README.md").read_text()
-    for path in project_files(project):
-        assert "<<<<<<<" not in path.read_text(errors="replace"), path
+    assert_merged(project)
 
 
 def test_the_after_copy_message_shows_a_safe_command():

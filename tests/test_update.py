@@ -12,7 +12,7 @@ import pytest
 import yaml
 from copier import run_copy, run_update
 
-from conftest import FULL, REPO, git, package_of, project_files, run_in
+from conftest import FULL, REPO, assert_merged, git, package_of, run_in
 
 WORKING_TREE_IGNORED = shutil.ignore_patterns(
     ".git", ".venv", ".scratch", "__pycache__", ".pytest_cache", ".ruff_cache")
@@ -129,10 +129,7 @@ def test_update_merges_template_changes_and_keeps_user_edits(tmp_path):
     assert answers["_commit"] == "v1.1.0" and int(answers["keep_last"]) == 5
     assert "## Added in 1.1" in (project / "README.md").read_text()
     assert "max_steps: 9000" in config.read_text()
-    for path in project_files(project):
-        text = path.read_text(errors="replace")
-        assert "<<<<<<<" not in text and ">>>>>>>" not in text, path
-        assert not path.name.endswith(".rej"), path
+    assert_merged(project)
 
 
 @pytest.mark.slow
@@ -200,10 +197,7 @@ def test_update_from_the_committed_template_keeps_every_answer(tmp_path):
     assert config["plan"]["mtbi_hours"] == 3.5 and config["plan"]["step_time_s"] == 0.75
     assert config["checkpoint"]["keep_last"] == 5
     assert (project / "src/spot_lab").is_dir()
-    for path in project_files(project):
-        text = path.read_text(errors="replace")
-        assert "<<<<<<<" not in text and ">>>>>>>" not in text, path
-        assert not path.name.endswith(".rej"), path
+    assert_merged(project)
 
 
 def test_update_keeps_the_users_task_while_the_harness_changes(tmp_path):
@@ -245,10 +239,7 @@ def test_update_keeps_the_users_task_while_the_harness_changes(tmp_path):
     assert "Harness change in 1.1: the manager." in (src / "checkpoint/save/pipeline.py").read_text()
     assert task.read_text() == users_task          # the user's file, never overwritten
     assert "nn.SiLU()" in tiny.read_text() and "d_model: 48" in config.read_text()
-    for path in project_files(project):
-        text = path.read_text(errors="replace")
-        assert "<<<<<<<" not in text and ">>>>>>>" not in text, path
-        assert not path.name.endswith(".rej"), path
+    assert_merged(project)
 
     proc = run_in(project, "-m", f"{package}.train", "train.max_steps=2", "log.every_steps=1",
                   "checkpoint.async_mode=sync", f"checkpoint.dir={tmp_path / 'ck'}",
@@ -357,10 +348,7 @@ def test_update_across_the_reorganisation_keeps_the_task_and_the_loader_setting(
     assert not trainer.exists()                    # moved: the old path is gone...
     assert "# my local patch" not in (src / "loop/trainer.py").read_text()  # ...and the edit
     assert "# my local patch" in git(project, "show", f"HEAD:src/{package}/trainer.py")
-    for path in project_files(project):
-        text = path.read_text(errors="replace")
-        assert "<<<<<<<" not in text and ">>>>>>>" not in text, path
-        assert not path.name.endswith(".rej"), path
+    assert_merged(project)
     settings = yaml.safe_load(config.read_text())
     assert settings["data"].get("num_workers", settings.get("loader", {}).get("num_workers")) == 1
 
@@ -415,10 +403,7 @@ def test_a_v0_1_0_project_updates_passes_its_own_suite_and_resumes_its_checkpoin
     assert all(answers[key] == value for key, value in FULL.items()), answers
     assert task.read_text() == old_task            # the user's file, never overwritten
     assert (project / f"src/{package}/loop/trainer.py").is_file()   # today's layout
-    for path in project_files(project):
-        text = path.read_text(errors="replace")
-        assert "<<<<<<<" not in text and ">>>>>>>" not in text, path
-        assert not path.name.endswith(".rej"), path
+    assert_merged(project)
     git(project, "add", "-A")
     git(project, "commit", "-qm", "copier update")
 

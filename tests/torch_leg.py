@@ -34,8 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 SCRATCH = REPO / ".scratch"
 # Installed beside torch in each leg's venv, with the generated project's own dependencies
 # and test extra (read from the template, test_requirements): xdist, to run the leg's
-# tests on both cores (three workers: with two, a quarter of the machine idled while
-# tests waited on their processes; the 2.11.0 leg took 275 s against 297 s). The project's install then has nothing left to fetch.
+# tests on both cores (three workers: with two, the 2.11.0 leg used 1.61 cores on average
+# while its tests waited on their processes, and took 297 s; with three, 1.71 and 275 s).
+# The project's install then has nothing left to fetch.
 LEG_EXTRAS = ["pytest-xdist>=3.5"]
 # The renders of a leg: the default project, and one with the memory tier (its tests only).
 RENDERS = {"default": {}, "memory": {"memory_tier": True, "project_name": "mem-run"}}
