@@ -111,12 +111,17 @@ def test_default_project_fast_tier_passes(default_project, request):
 # them at the head of each worker's queue): the kill loop, the real servers and the
 # node-loss drills, and the rest. The drills run fewer rounds here than a generated
 # project's own defaults (DRILL_ROUNDS: kills of the kill loop, the phases a SIGTERM
-# lands in, ...): the defaults are for a run of their own (docs/RECOVERY.md's figures),
-# and every kind of check still runs.
+# lands in, the soak's mean time between faults): the defaults are for a run of their own
+# (docs/RECOVERY.md's figures), and every kind of check still runs.
 FIRST_HALF = {"test_kill_loop.py", "test_object_store.py", "test_tracking.py",
               "test_compile.py", "test_node_loss.py", "test_memory_tier.py",
               "test_stop_phases.py", "test_nodes.py", "test_goodput.py"}
-DRILL_ROUNDS = {"KILL_LOOP_KILLS": "4", "STOP_PHASES": "resume-imports,loaded,saving"}
+DRILL_ROUNDS = {"KILL_LOOP_KILLS": "4", "STOP_PHASES": "resume-imports,loaded,saving",
+                "SOAK_MTBI_SECONDS": "10"}
+# The short form of test_compiled_and_eager_runs_resume_each_other, for the torch legs
+# (tests/torch_leg.py): every check it makes (the same keys, none "_orig_mod.", inductor
+# built code) the long form makes too, which runs here. Its own cold build: 63 s.
+ONLY_FOR_THE_LEGS = ["tests/test_compile.py::test_a_compiled_run_saves_the_keys_an_eager_run_saves"]
 
 
 @pytest.mark.slow
@@ -131,7 +136,9 @@ def test_full_project_own_test_suite_passes(full_project, tmp_path, half):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-             "-m", "slow", "--durations=30", "--basetemp", str(tmp_path / half), *[f"tests/{f}" for f in chosen]],
+             "-m", "slow", "--durations=30", "--basetemp", str(tmp_path / half),
+             *[arg for test in ONLY_FOR_THE_LEGS for arg in ("--deselect", test)],
+             *[f"tests/{f}" for f in chosen]],
             cwd=full_project, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         code = proc.wait(timeout=3600)

@@ -1,7 +1,7 @@
 """One torch compatibility leg: a rendered project's torch-API tests on another torch release.
 
     python tests/torch_leg.py 2.11.0              # make test-torch TORCH=2.11.0
-    python tests/torch_leg.py --install 2.9.0 2.11.0 2.15.0   # only the venvs (CI, ahead)
+    python tests/torch_leg.py --install 2.9.0 2.11.0 2.15.0   # steps 1-2 only (CI, ahead)
 
 ``make test`` runs everything on the pinned release (2.13.0); a leg checks one other
 release the generated project claims (its pyproject.toml lists them):
@@ -16,12 +16,15 @@ release the generated project claims (its pyproject.toml lists them):
    between releases, and the multi-rank runs on the paths that differ), and the same in
    a render with the memory tier.
 
+``--install`` does steps 1 and 2 ahead (CI, while make test runs) and marks the renders
+with the template's fingerprint; a leg then renders again only when the template changed.
 Prints each phase's time; exits 1 when a check fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import shutil
@@ -93,6 +96,16 @@ def install(release: str) -> Path:
     return python
 
 
+def fingerprint() -> str:
+    """What a render is made of: every file of the template and copier.yml, hashed."""
+    digest = hashlib.sha256()
+    files = [REPO / "copier.yml", *sorted((REPO / "template").rglob("*"))]
+    for path in files:
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def render(name: str, release: str) -> Path:
     from copier import run_copy
 
@@ -125,32 +138,43 @@ def pytest(python: Path, project: Path, *args: str) -> int:
                 "--durations=15", *args], cwd=project, env=env).returncode
 
 
+def prepare(release: str) -> Path:
+    """Steps 1 and 2: the venv, both renders, the default one installed. Kept when the
+    template is the one they were rendered from."""
+    python = install(release)
+    marker, made_from = leg_dir(release) / "prepared", fingerprint()
+    if marker.is_file() and marker.read_text() == made_from:
+        print(f"renders of this template already in {leg_dir(release)}", flush=True)
+        return python
+    marker.unlink(missing_ok=True)
+    default = render("default", release)
+    render("memory", release)
+    install_project(python, default)
+    marker.write_text(made_from)
+    return python
+
+
 def leg(release: str) -> int:
     began = time.monotonic()
-    python = install(release)
-    installed = time.monotonic()
-    default = render("default", release)
-    memory = render("memory", release)
-    install_project(python, default)
+    python = prepare(release)
     ready = time.monotonic()
-    failed = pytest(python, default, "-n", "3", "tests")
-    failed |= pytest(python, memory, "tests/test_memory_tier.py")
+    failed = pytest(python, leg_dir(release) / "default", "-n", "3", "tests")
+    failed |= pytest(python, leg_dir(release) / "memory", "tests/test_memory_tier.py")
     done = time.monotonic()
-    print(f"torch {release} leg: {'FAILED' if failed else 'passed'}; venv {installed - began:.0f} s, "
-          f"renders and install {ready - installed:.0f} s, tests {done - ready:.0f} s",
-          flush=True)
+    print(f"torch {release} leg: {'FAILED' if failed else 'passed'}; venv, renders and "
+          f"install {ready - began:.0f} s, tests {done - ready:.0f} s", flush=True)
     return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--install", action="store_true",
-                        help="only create the venvs of these releases")
+                        help="only create the venvs of these releases and their renders")
     parser.add_argument("releases", nargs="+", metavar="RELEASE")
     args = parser.parse_args(argv)
     if args.install:
         for release in args.releases:
-            install(release)
+            prepare(release)
         return 0
     return max(leg(release) for release in args.releases)
 
