@@ -94,7 +94,11 @@ def full_project(tmp_path_factory) -> Path:
 # starts from its half of the list) each worker starts one at once: make test's two
 # halves of the full render's suite, the first at the head of the list and the second
 # at its middle, the upgrade test (the next longest) after the first; make check's
-# longest, the default render's fast tier (itself two processes), at the head.
+# longest, the default render's fast tier (itself two processes), at the head. The other
+# slow tests (real Slurm, the DDP and unusual renders: 30 to 110 s each) come next, a
+# file's together (its module fixtures, a Slurm cluster, are made once), each file to the
+# worker with fewer so far; the quick ones last: an idle worker steals from the end of
+# the other's list, so the suite ends on quick tests, not on one long test alone.
 HEAD_OF_FIRST = ("test_full_project_own_test_suite_passes[first]",
                  "test_default_project_fast_tier_passes",
                  "test_a_v0_1_0_project_updates_passes_its_own_suite_and_resumes_its_checkpoint")
@@ -104,7 +108,14 @@ HEAD_OF_SECOND = ("test_full_project_own_test_suite_passes[second]",)
 def pytest_collection_modifyitems(config, items):
     longest = {item.name: item for item in items if item.name in HEAD_OF_FIRST + HEAD_OF_SECOND}
     rest = [item for item in items if item.name not in longest]
+    quick = [item for item in rest if "slow" not in item.keywords]
     first = [longest[n] for n in HEAD_OF_FIRST if n in longest]
     second = [longest[n] for n in HEAD_OF_SECOND if n in longest]
+    files: dict[Path, list] = {}
+    for item in rest:
+        if "slow" in item.keywords:
+            files.setdefault(item.path, []).append(item)
+    for tests in files.values():
+        (second if len(second) <= len(first) else first).extend(tests)
     middle = max(0, (len(items) + 1) // 2 - len(first))
-    items[:] = first + rest[:middle] + second + rest[middle:]
+    items[:] = first + quick[:middle] + second + quick[middle:]
