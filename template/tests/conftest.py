@@ -82,7 +82,7 @@ def suite_root(project: Path = PROJECT) -> Path:
 ROOT = suite_root()
 
 
-def _env() -> dict[str, str]:
+def suite_env() -> dict[str, str]:
     """The environment of a command run in the suite root: its src/ first on the path."""
     env = dict(os.environ)
     src = str(ROOT / "src")
@@ -97,7 +97,7 @@ def run_module(module: str, *args: str, cwd: Path = ROOT, timeout: float = 300,
                check: bool = True) -> subprocess.CompletedProcess:
     """``python -m <package>.<module> args`` in a subprocess."""
     proc = subprocess.run([sys.executable, "-m", f"{PACKAGE}.{module}", *args], cwd=cwd,
-                          env=_env(), capture_output=True, text=True, timeout=timeout,
+                          env=suite_env(), capture_output=True, text=True, timeout=timeout,
                           check=False)
     if check and proc.returncode != 0:
         raise AssertionError(f"{module} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
@@ -122,7 +122,7 @@ def torchrun(nproc: int, module: str, *args: str, cwd: Path = ROOT, timeout: flo
              check: bool = True) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node N -m <package>.<module> args`` on CPU (gloo)."""
     cmd = torchrun_command(module, list(args), nproc)
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=cwd, env=suite_env(), capture_output=True, text=True,
                           timeout=timeout, check=False)
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
@@ -180,7 +180,7 @@ def start(module: str, *args: str, log_file: Path, nproc: int | None = None,
     else:
         cmd = torchrun_command(module, list(args), nproc)
     with open(log_file, "w", encoding="utf-8") as out:
-        return subprocess.Popen(cmd, cwd=cwd, env={**_env(), **(env or {})}, stdout=out,
+        return subprocess.Popen(cmd, cwd=cwd, env={**suite_env(), **(env or {})}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 

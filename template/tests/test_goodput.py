@@ -17,12 +17,12 @@ import pytest
 from conftest import (
     PACKAGE,
     ROOT,
-    _env,
     cmdline,
     descendants,
     rank_of,
     read_events,
     run_module,
+    suite_env,
     wait_until,
 )
 
@@ -37,7 +37,7 @@ def resume(dirs: dict, log: Path) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", f"{PACKAGE}.resume", "--nproc-per-node", "2", *RUN,
              f"checkpoint.dir={dirs['ckpt']}", f"log.dir={dirs['logs']}"], cwd=ROOT,
-            env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            env=suite_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def steps_after(logs: Path, step: int) -> bool:

@@ -29,7 +29,6 @@ from s3_server import SeaweedS3, weed_binary
 from conftest import (
     PACKAGE,
     ROOT,
-    _env,
     children,
     cmdline,
     descendants,
@@ -40,6 +39,7 @@ from conftest import (
     read_events,
     run_module,
     start,
+    suite_env,
     wait_gone,
     wait_until,
 )
@@ -59,7 +59,7 @@ def child_running(parent: int, marker: bytes) -> list[int]:
 
 def verify(dirs: dict[str, str]) -> None:
     check = subprocess.run([sys.executable, "-m", f"{PACKAGE}.verify",
-                            f"checkpoint.dir={dirs['ckpt']}"], cwd=ROOT, env=_env(),
+                            f"checkpoint.dir={dirs['ckpt']}"], cwd=ROOT, env=suite_env(),
                            capture_output=True, text=True, timeout=120, check=False)
     assert check.returncode == 0, check.stdout + check.stderr
 
@@ -209,7 +209,7 @@ def test_a_stop_signal_to_the_group_leaves_the_checkpoint_process_to_its_worker(
     log = tmp_path / "worker.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), PACKAGE], cwd=ROOT,
-                                env=_env(), stdout=out, stderr=subprocess.STDOUT,
+                                env=suite_env(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         wait_until(lambda: (tmp_path / "child").exists(), proc, "the checkpoint process",

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, _env, project_module, run_module
+from conftest import ROOT, project_module, run_module, suite_env
 
 mtbi = project_module("ledger.mtbi")
 accounts = project_module("ledger.accounts")
@@ -167,7 +167,7 @@ def test_the_history_survives_kill_9_and_skips_a_torn_record(tmp_path):
     package = project_module("checkpoint").__name__.split(".")[0]
     script = WRITER.format(src=str(ROOT / "src"), package=package, root=str(root))
     for _ in range(5):
-        proc = subprocess.Popen([sys.executable, "-c", script], env=_env(),
+        proc = subprocess.Popen([sys.executable, "-c", script], env=suite_env(),
                                 stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "started"
         time.sleep(0.3)

@@ -22,12 +22,12 @@ import pytest
 from conftest import (
     PACKAGE,
     ROOT,
-    _env,
     cmdline,
     descendants,
     overrides_for,
     project_module,
     read_events,
+    suite_env,
     wait_gone,
     wait_until,
 )
@@ -44,7 +44,7 @@ def plain_torchrun(args: list[str], **popen) -> subprocess.Popen:
     write it: none of the project's launch flags."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node=2", "-m", f"{PACKAGE}.train", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), start_new_session=True, **popen)
+    return subprocess.Popen(cmd, cwd=ROOT, env=suite_env(), start_new_session=True, **popen)
 
 
 def workers_of(proc: subprocess.Popen) -> list[int]:
@@ -111,7 +111,7 @@ def test_a_worker_that_cannot_reach_a_step_boundary_ends_itself_in_the_grace(run
     assert seconds < GRACE_S, f"the workers took {seconds:.1f} s, the grace is {GRACE_S:g} s"
     assert committed(run_dirs["ckpt"])[-1] >= newest   # nothing committed was lost
     check = subprocess.run([sys.executable, "-m", f"{PACKAGE}.verify",
-                            f"checkpoint.dir={run_dirs['ckpt']}"], cwd=ROOT, env=_env(),
+                            f"checkpoint.dir={run_dirs['ckpt']}"], cwd=ROOT, env=suite_env(),
                            capture_output=True, text=True, timeout=120, check=False)
     assert check.returncode == 0, check.stdout + check.stderr
 

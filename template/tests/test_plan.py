@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import PACKAGE, ROOT, _env, project_module, run_module
+from conftest import PACKAGE, ROOT, project_module, run_module, suite_env
 
 FLAG_ORDER = ("--mtbi-hours", "--step-seconds", "--blocking-seconds", "--commit-latency-seconds",
               "--restart-seconds", "--badput-target-percent")
@@ -294,7 +294,7 @@ def test_plan_and_goodput_import_no_torch(tmp_path):
             "    except SystemExit as end:\n"
             "        assert end.code in (0, None), (command, end.code)\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(),
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=suite_env(),
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1] == "[]"

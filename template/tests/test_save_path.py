@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import ROOT, _env, project_module
+from conftest import ROOT, project_module, suite_env
 
 # Every test here touches an API that differs between torch releases (make test-torch).
 pytestmark = pytest.mark.torch_api
@@ -33,7 +33,7 @@ DELAY_S = 2.0   # how long the slow storage sleeps before writing a save
 @pytest.fixture(scope="module", params=["thread", "process"])
 def probe(request) -> dict:
     """One probe run per mode: a save through the slow storage, then a training loop."""
-    env = _env()
+    env = suite_env()
     tests = str(Path(__file__).resolve().parent)
     env["PYTHONPATH"] = tests + os.pathsep + env["PYTHONPATH"]   # for the checkpoint process
     proc = subprocess.run([sys.executable, "-c", "import slow_storage; slow_storage.main()",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PACKAGE, ROOT, _env, project_module, read_events, run_module
+from conftest import PACKAGE, ROOT, project_module, read_events, run_module, suite_env
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,7 @@ def start_resume(tmp_path: Path, ckpt: Path, pause_at: str | None,
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(HOOK)
-    env = _env()
+    env = suite_env()
     env["PYTHONPATH"] = str(hook) + os.pathsep + env["PYTHONPATH"]
     flag = tmp_path / "paused"
     env.update(STOP_TEST_PAUSE_AT=pause_at or "", STOP_TEST_FLAG=str(flag),

@@ -23,13 +23,13 @@ import torch
 
 from conftest import (
     ROOT,
-    _env,
     finish,
     gone,
     overrides_for,
     project_module,
     read_events,
     start,
+    suite_env,
     wait_until,
 )
 
@@ -139,7 +139,7 @@ def test_the_agent_holds_the_workers_for_the_whole_shutdown_timeout(tmp_path):
            "--shutdown-timeout=60", str(script), str(tmp_path / "done"), "33"]
     log = tmp_path / "agent.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=suite_env(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     wait_until(lambda: (tmp_path / "ready").exists(), proc, "the worker", log_file=log)
     worker = int((tmp_path / "ready").read_text())
