@@ -116,7 +116,7 @@ def test_default_project_fast_tier_passes(default_project, request):
 FIRST_HALF = {"test_kill_loop.py", "test_object_store.py", "test_tracking.py",
               "test_compile.py", "test_node_loss.py", "test_memory_tier.py",
               "test_stop_phases.py", "test_nodes.py", "test_goodput.py"}
-DRILL_ROUNDS = {"KILL_LOOP_KILLS": "4", "STOP_PHASES": "resume-imports,loaded,saving",
+DRILL_ROUNDS = {"KILL_LOOP_KILLS": "3", "STOP_PHASES": "resume-imports,loaded,saving",
                 "SOAK_MTBI_SECONDS": "10"}
 # The short form of test_compiled_and_eager_runs_resume_each_other, for the torch legs
 # (tests/torch_leg.py): every check it makes (the same keys, none "_orig_mod.", inductor
