@@ -49,6 +49,11 @@ def leg_dir(release: str) -> Path:
     return SCRATCH / f"torch-{release}"
 
 
+def project_dir(release: str, name: str) -> Path:
+    """Where the leg's render ``name`` (a key of RENDERS) lives."""
+    return leg_dir(release) / name
+
+
 def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     print("+", " ".join(map(str, cmd)), flush=True)
     return subprocess.run(cmd, check=False, **kwargs)
@@ -109,7 +114,7 @@ def fingerprint() -> str:
 def render(name: str, release: str) -> Path:
     from copier import run_copy
 
-    dst = leg_dir(release) / name
+    dst = project_dir(release, name)
     shutil.rmtree(dst, ignore_errors=True)
     run_copy(str(REPO), str(dst), data=RENDERS[name], defaults=True, quiet=True,
              unsafe=False, vcs_ref="HEAD")
@@ -158,8 +163,8 @@ def leg(release: str) -> int:
     began = time.monotonic()
     python = prepare(release)
     ready = time.monotonic()
-    failed = pytest(python, leg_dir(release) / "default", "-n", "3", "tests")
-    failed |= pytest(python, leg_dir(release) / "memory", "tests/test_memory_tier.py")
+    failed = pytest(python, project_dir(release, "default"), "-n", "3", "tests")
+    failed |= pytest(python, project_dir(release, "memory"), "tests/test_memory_tier.py")
     done = time.monotonic()
     print(f"torch {release} leg: {'FAILED' if failed else 'passed'}; venv, renders and "
           f"install {ready - began:.0f} s, tests {done - ready:.0f} s", flush=True)
