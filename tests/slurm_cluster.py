@@ -1,9 +1,13 @@
 """A real one-node Slurm on this machine, for the launch-file tests.
 
 Debian's ``slurm-wlm`` and ``munge`` (installed here with apt-get when missing and this
-is root): ``munged``, then ``slurmctld`` and ``slurmd`` with a configuration of their own
-in a temporary directory (free ports, no cgroups, no accounting daemon), started for the
-tests and stopped after them. ``reason_unavailable()`` says why it cannot run, if so.
+is root): a ``munged`` of the cluster's own (key, socket and pid file in a directory of
+its own: a munged already running here is left alone), then ``slurmctld`` and ``slurmd``
+with a configuration of their own in a temporary directory (free ports, no cgroups, no
+accounting daemon). All three run in the foreground as the test's children, so that
+``stop()`` ends them by their handles, in bounded waits; ``kill_leftovers()`` then
+kills and names whatever still carries the cluster's ``SLURM_CONF`` (a daemon, a job
+step): the tests fail on it. ``reason_unavailable()`` says why it cannot run, if so.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +27,8 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
 SBIN = ("/usr/sbin", "/usr/bin")
 INSTALL_TIMEOUT_S = 900
 READY_TIMEOUT_S = 60
+JOBS_END_TIMEOUT_S = 60   # KillWait (30 s) and a margin
+STOP_TIMEOUT_S = 30       # a daemon's SIGTERM, before its SIGKILL
 
 
 def which(name: str) -> str | None:
@@ -47,16 +54,20 @@ def reason_unavailable() -> str | None:
 
 
 class Cluster:
-    """``slurmctld`` and ``slurmd`` for one node (this machine), root as SlurmUser."""
+    """``munged``, ``slurmctld`` and ``slurmd`` for one node (this machine), root as
+    SlurmUser."""
 
     def __init__(self, root: Path, cpus: int = 2) -> None:
         self.root, self.host = root, socket.gethostname()
         for name in ("state", "spool", "log"):
             (root / name).mkdir(parents=True, exist_ok=True)
+        # Not under root: munged (user munge) must reach its socket from / on.
+        self.munge_dir = Path(tempfile.mkdtemp(prefix="resumable-munge-", dir="/tmp"))
         self.conf = root / "slurm.conf"
         self.conf.write_text("\n".join([
             "ClusterName=tests", f"SlurmctldHost={self.host}", "SlurmUser=root",
-            "AuthType=auth/munge", "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+            "AuthType=auth/munge", f"AuthInfo=socket={self.munge_dir / 'munge.socket'}",
+            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
             "ReturnToService=2", "KillWait=30", "MinJobAge=3600",
             "SchedulerParameters=sched_interval=2",
@@ -69,31 +80,111 @@ class Cluster:
             f"NodeName={self.host} CPUs={cpus} RealMemory=4000 State=UNKNOWN",
             f"PartitionName=tests Nodes={self.host} Default=YES MaxTime=INFINITE State=UP",
             ""]))
+        # Every process of the cluster (daemons, job steps) carries it: leftovers() finds them.
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+        self.daemons: list[subprocess.Popen] = []
 
     def start(self) -> None:
-        start_munge()
-        for command in ([which("slurmctld"), "-f", str(self.conf)],
-                        [which("slurmd"), "-f", str(self.conf), "-N", self.host]):
-            subprocess.run(command, env=self.env, check=True, timeout=60)
+        """The three daemons, the node idle; on a failure, what started is stopped."""
+        try:
+            self._start_munge()
+            for name, *args in (("slurmctld",), ("slurmd", "-N", self.host)):
+                self._spawn([which(name), "-D", "-f", str(self.conf), *args], name)
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while self.run("sinfo", "-h", "-o", "%T").stdout.strip() != "idle":
+                if time.monotonic() > deadline or self._one_exited():
+                    raise RuntimeError("Slurm's node never became idle:\n" + self.logs())
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, command: list[str], name: str, **popen) -> None:
+        with open(self.root / "log" / f"{name}.stderr", "ab") as out:
+            self.daemons.append(subprocess.Popen(
+                command, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True, **popen))
+
+    def _start_munge(self) -> None:
+        """munged in the foreground (its handle is the daemon), as user munge, with a key
+        of its own; its directory is munge's and open to all, as munged requires."""
+        d = self.munge_dir
+        (d / "munge.key").write_bytes(os.urandom(1024))
+        (d / "munge.key").chmod(0o400)
+        for path in (d, d / "munge.key"):
+            shutil.chown(path, "munge", "munge")
+        d.chmod(0o755)
+        self._spawn([which("munged"), "--foreground", f"--socket={d / 'munge.socket'}",
+                     f"--key-file={d / 'munge.key'}", f"--pid-file={d / 'munged.pid'}",
+                     f"--seed-file={d / 'munged.seed'}", f"--log-file={d / 'munged.log'}"],
+                    "munged", user="munge", group="munge", extra_groups=[])
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while self.run("sinfo", "-h", "-o", "%T").stdout.strip() != "idle":
-            if time.monotonic() > deadline:
-                raise RuntimeError("Slurm's node never became idle:\n" + self.logs())
-            time.sleep(0.5)
+        while not (d / "munge.socket").exists():
+            if time.monotonic() > deadline or self._one_exited():
+                raise RuntimeError("munged did not start:\n" + self.logs())
+            time.sleep(0.1)
+
+    def _one_exited(self) -> bool:
+        return any(proc.poll() is not None for proc in self.daemons)
 
     def stop(self) -> None:
-        self.run("scancel", "--full", "--quiet", "--partition=tests")
-        for name in ("slurmd", "slurmctld"):
-            pid_file = self.root / f"{name}.pid"
+        """Every job cancelled and ended, then slurmd, slurmctld and munged (SIGTERM, and
+        SIGKILL after ``STOP_TIMEOUT_S``)."""
+        if self.daemons and not self._one_exited():
             try:
-                pid = int(pid_file.read_text())
-                os.kill(pid, signal.SIGTERM)
-            except (FileNotFoundError, ValueError, ProcessLookupError):
+                self.run("scancel", "--full", "--quiet", "--partition=tests")
+                deadline = time.monotonic() + JOBS_END_TIMEOUT_S
+                while (self.run("squeue", "-h", "-o", "%i").stdout.strip()
+                       and time.monotonic() < deadline):
+                    time.sleep(0.5)
+            except subprocess.TimeoutExpired:
+                pass   # slurmctld does not answer: kill_leftovers() names its jobs' steps
+        for proc in reversed(self.daemons):
+            if proc.poll() is None:
+                proc.terminate()
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass   # kill_leftovers() names it
+        self.daemons.clear()
+        shutil.rmtree(self.munge_dir, ignore_errors=True)
+
+    def kill_leftovers(self, grace: float = 5) -> list[str]:
+        """After ``stop()``: what still runs of the cluster (its ``leftovers()``) once
+        ``grace`` seconds have passed, SIGKILLed now; nothing when the stop did its work."""
+        deadline = time.monotonic() + grace   # a job step's last moments
+        while (left := self.leftovers()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid, _ in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return [f"{pid} {command}" for pid, command in left]
+
+    def leftovers(self) -> list[tuple[int, str]]:
+        """The live processes (zombies aside) whose environment holds this cluster's
+        ``SLURM_CONF``: its daemons, its jobs' steps, what they started."""
+        marker = f"SLURM_CONF={self.conf}".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
                 continue
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
-                time.sleep(0.2)
+            try:
+                if marker not in (entry / "environ").read_bytes().split(b"\0"):
+                    continue
+                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX":
+                    continue
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                    errors="replace").strip()
+            except (OSError, IndexError):
+                continue   # gone, or not ours to read
+            found.append((int(entry.name), command))
+        return found
 
     def run(self, *command: str, cwd: Path | None = None,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -118,21 +209,6 @@ class Cluster:
             time.sleep(0.5)
 
     def logs(self) -> str:
-        return "\n".join(p.read_text(errors="replace")[-3000:]
-                         for p in sorted((self.root / "log").glob("*.log")))
-
-
-def start_munge() -> None:
-    """munged with a key, unless one is running already."""
-    if subprocess.run(["pgrep", "-x", "munged"], capture_output=True, check=False).returncode == 0:
-        return
-    key = Path("/etc/munge/munge.key")
-    if not key.exists():
-        key.parent.mkdir(parents=True, exist_ok=True)
-        key.write_bytes(os.urandom(1024))
-    shutil.chown(key, "munge", "munge")
-    key.chmod(0o400)
-    for directory in ("/run/munge", "/var/lib/munge", "/var/log/munge"):
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        shutil.chown(directory, "munge", "munge")
-    subprocess.run(["runuser", "-u", "munge", "--", which("munged")], check=True, timeout=30)
+        paths = [*sorted((self.root / "log").iterdir()), self.munge_dir / "munged.log"]
+        return "\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:]
+                         for p in paths if p.is_file())

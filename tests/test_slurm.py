@@ -33,9 +33,14 @@ def slurm(tmp_path_factory):
         print(f"real-Slurm tests skipped: {why}", file=sys.stderr)
         pytest.skip(why)
     cluster = Cluster(tmp_path_factory.mktemp("slurm"))
-    cluster.start()
-    yield cluster
-    cluster.stop()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        left = cluster.kill_leftovers()
+    # Every process the cluster started ends with it (issue 46): here, not after the suite.
+    assert not left, "still running after the cluster stopped (killed now):\n" + "\n".join(left)
 
 
 @pytest.fixture(scope="module")

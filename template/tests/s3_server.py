@@ -83,6 +83,7 @@ class SeaweedS3:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self.answers():
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()   # one that never answered is not left running
                 raise RuntimeError("weed did not start:\n" + self.log_tail())
             time.sleep(0.3)
 
