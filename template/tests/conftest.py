@@ -115,7 +115,7 @@ def torchrun_command(module: str, args: list[str], nproc: int) -> list[str]:
     config = project_module("config").load_config(ROOT / "configs/train.yaml", overrides)
     return project_module("launch.torchrun").torchrun_command(
         module, list(args), config.preemption, nproc_per_node=nproc,
-        max_restarts=config.recovery.max_restarts)
+        max_restarts=config.recovery.max_restarts, warm_start=config.recovery.warm_start)
 
 
 def torchrun(nproc: int, module: str, *args: str, cwd: Path = ROOT, timeout: float = 300,

@@ -11,6 +11,9 @@ if __name__ == "__main__":  # a stop signal during the imports below is kept, no
     from .preemption import early
 
     early.hold()
+    from .launch import warm
+
+    warm.start_if_asked()     # forked from resume's zygote, if there is one: no return
     lifeline.hand_down()      # the processes it starts end with it
 elif __name__ == "__mp_main__":  # DCP's checkpoint process, spawned by this command
     from .preemption.early import HELD

@@ -241,6 +241,7 @@ class RecoveryConfig:
     straggler_every_steps: int = 0    # how often ranks compare their step times; 0 = never
     straggler_ratio: float = 1.5      # slower than the median of ranks by this factor: a straggler
     rendezvous_timeout_s: float = 120.0   # several nodes: how long they wait for each other
+    warm_start: bool = True           # resume's workers forked from a pre-imported process
 
     def __post_init__(self) -> None:
         for key in ("max_restarts", "max_attempts_without_progress", "straggler_every_steps"):

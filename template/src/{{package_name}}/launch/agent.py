@@ -29,9 +29,11 @@ import sys
 import threading
 
 from ..runtime.lifeline import on_parent_gone, say_if_heard
-from ..runtime.torch_compat import torchrun_arguments
+from .warm import ZYGOTE_ENV
+from .zygote import Started
 
-ORPHAN_SIGNAL = "--orphan-signal="   # the agent's own option; first, before torchrun's
+ORPHAN_SIGNAL = "--orphan-signal="   # the agent's own options; first, before torchrun's
+WARM_START = "--warm-start"           # workers forked from a zygote (launch/zygote.py)
 
 
 def watched(command: list[str], stop: str) -> list[str]:
@@ -56,18 +58,30 @@ def watch_parent(stop: signal.Signals) -> threading.Thread:
 
 
 def main(argv: list[str]) -> int:
+    zygote = None
+    while argv and argv[0].startswith((ORPHAN_SIGNAL, WARM_START)):
+        if argv[0] == WARM_START:   # first: its imports beside this process's own
+            nproc = next((a.split("=", 1)[1] for a in argv
+                          if a.startswith("--nproc-per-node=")), None)
+            zygote = Started(nproc)
+            os.environ[ZYGOTE_ENV] = zygote.path
+        else:
+            watch_parent(signal.Signals[argv[0][len(ORPHAN_SIGNAL):]])
+        argv = argv[1:]
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 
-    if argv and argv[0].startswith(ORPHAN_SIGNAL):
-        watch_parent(signal.Signals[argv[0][len(ORPHAN_SIGNAL):]])
-        argv = argv[1:]
+    from ..runtime.torch_compat import torchrun_arguments
+
     try:
         torchrun(torchrun_arguments(argv))
     except SignalException as exc:
         print(f"torchrun: stopped its workers on {exc.sigval.name}", file=sys.stderr,
               flush=True)
         return 1   # what torchrun itself exits with after a signal
+    finally:
+        if zygote is not None:
+            zygote.stop()
     return 0
 
 

@@ -21,26 +21,15 @@ import ctypes
 import os
 import signal
 import subprocess
-import sys
 import time
 
 from ..runtime.process_tree import children, command_of, kill_tree
+from ..runtime.process_tree import prctl as _prctl
 
 PR_SET_CHILD_SUBREAPER = 36   # linux/prctl.h
 PR_GET_CHILD_SUBREAPER = 37
 POLL_S = 0.1
 REAP_EVERY_S = 1.0             # while the agent runs: the zombies of dead workers' children
-
-
-def _prctl(option: int, value: int | ctypes.c_int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        arg = ctypes.byref(value) if isinstance(value, ctypes.c_int) else value
-        return libc.prctl(option, arg, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 class Launch:

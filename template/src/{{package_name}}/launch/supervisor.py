@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                                    max_restarts=cfg.recovery.max_restarts,
                                    nnodes=str(args.nnodes), rdzv_endpoint=args.rdzv_endpoint,
                                    rdzv_id=args.rdzv_id, rdzv_conf=args.rdzv_conf,
-                                   rendezvous_timeout_s=cfg.recovery.rendezvous_timeout_s)
+                                   rendezvous_timeout_s=cfg.recovery.rendezvous_timeout_s,
+                                   warm_start=cfg.recovery.warm_start)
         if not args.dry_run:  # a missing bucket or a full disk: refused before the launch
             ckpt = cfg.checkpoint
             check_storage(storage, ckpt.keep_last + ckpt.keep_best, ckpt.storage_retry_s)

@@ -20,6 +20,7 @@ import sys
 
 from .. import PACKAGE
 from ..config import PreemptionConfig
+from .agent import WARM_START
 
 # torchrun's own defaults; kept so that Ctrl-C and hang-ups still reach the workers.
 TORCHRUN_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -69,7 +70,7 @@ def torchrun_command(module: str, args: list[str], preemption: PreemptionConfig,
                      rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
                      rendezvous_timeout_s: float | None = None,
                      rdzv_conf: dict[str, str] | None = None,
-                     python: str = sys.executable) -> list[str]:
+                     warm_start: bool = False, python: str = sys.executable) -> list[str]:
     """``python -m <package>.launch.agent <torchrun's arguments> -m <package>.<module> args``.
 
     One node runs standalone (a free local port); several nodes meet at
@@ -79,7 +80,8 @@ def torchrun_command(module: str, args: list[str], preemption: PreemptionConfig,
     the nodes, the first and each one after a failure (torchrun's ``join_timeout``,
     otherwise 600 s): after a node is lost, the others wait that long for it (or its
     replacement) and then give up; ``rdzv_conf`` adds torchrun's other rendezvous
-    settings (e.g. ``is_host``).
+    settings (e.g. ``is_host``). ``warm_start`` (``recovery.warm_start``): the agent forks
+    the workers from a pre-imported process (``launch/zygote.py``).
     """
     if max_restarts < 0:
         raise ValueError(f"recovery.max_restarts must be >= 0 (got {max_restarts})")
@@ -88,7 +90,7 @@ def torchrun_command(module: str, args: list[str], preemption: PreemptionConfig,
     # ranks' addresses and never connected (torch 2.13, gloo; DCP's checkpoint process
     # group likewise). Unshared, rank 0 of every attempt hosts a fresh store.
     env = ["env", f"{UNSHARED_STORE}=1"] if max_restarts > 0 else []
-    cmd = [*env, python, "-m", f"{PACKAGE}.launch.agent",
+    cmd = [*env, python, "-m", f"{PACKAGE}.launch.agent", *([WARM_START] if warm_start else []),
            f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}",
            f"--max-restarts={max_restarts}",
            f"--signals-to-handle={signals_to_handle(preemption)}",

@@ -22,9 +22,11 @@ def _record(signum: int, _frame) -> None:
 
 
 def hold() -> None:
-    """Record HELD signals from now on, until ``take`` hands them over."""
+    """Record HELD signals from now on, until ``take`` hands them over (a second call, in
+    a worker forked already holding them, changes nothing)."""
     for sig in HELD:
-        _before[sig] = signal.signal(sig, _record)
+        if signal.getsignal(sig) is not _record:
+            _before[sig] = signal.signal(sig, _record)
 
 
 def take(handled: list[signal.Signals] | tuple[signal.Signals, ...]) -> list[signal.Signals]:

@@ -6,10 +6,24 @@ same moment, torchrun's workers and their checkpoint writers included.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
+
+
+def prctl(option: int, value: int | ctypes.c_int) -> bool:
+    """Linux's ``prctl(option, value)``; False where it failed or is not Linux."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        arg = ctypes.byref(value) if isinstance(value, ctypes.c_int) else value
+        return libc.prctl(option, arg, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _parents() -> dict[int, int]:

@@ -2,8 +2,9 @@
 
     python -m <package>.bench --restart [--repeats 5] [--nproc N] [--json] [key=value ...]
 
-Each repeat runs the real thing in a scratch directory, with this project's own
-``resume`` (launcher, torchrun, the trainer, the checkpointer):
+Each repeat runs the real thing with this project's own ``resume`` (launcher, torchrun,
+the trainer, the checkpointer), a warm start (``recovery.warm_start=true``) and a cold
+one in turn, each in a scratch directory of its own:
 
 1. **a stopped job**: ``resume`` is launched on the checkpoints of the repeat before (the
    first repeat trains until its first checkpoint commits); seconds from the launch to
@@ -50,45 +51,69 @@ class RestartFailed(RuntimeError):
     """A start did not reach its first step in time; the message says where to look."""
 
 
+MODES = ("warm", "cold")   # recovery.warm_start=true, then false, in each repeat
+
+
 def run(cfg: Config, overrides: list[str], *, repeats: int, nproc: int, scratch: Path,
         say=print) -> dict[str, Any]:
-    """The restart figures of this configuration: ``repeats`` stopped-job resumes and
-    worker kills, their medians and their phases' medians."""
+    """The restart figures of this configuration, warm and cold starts measured in turn in
+    each repeat: ``repeats`` stopped-job resumes and worker kills of each, their medians
+    and their phases' medians. The warm figures keep the report's top-level keys."""
+    load_before = os.getloadavg()
+    samples: dict[str, dict[str, list[dict[str, Any]]]] = {
+        mode: {"resumes": [], "kills": []} for mode in MODES}
+    for cycle in range(repeats + 1):   # the first trains from nothing: not a resume
+        for mode in MODES:
+            resume, kill = _cycle(overrides, nproc, scratch / mode, cycle,
+                                  warm=mode == "warm")
+            if resume is not None:
+                samples[mode]["resumes"].append(resume)
+            if len(samples[mode]["kills"]) < repeats:
+                samples[mode]["kills"].append(kill)
+            say(f"  {mode} {'start' if resume is None else f'repeat {cycle}'}: "
+                + (f"stopped job -> first step {resume['seconds']:.2f} s, " if resume
+                   else "from nothing, ")
+                + f"worker killed -> first new step {kill['seconds']:.2f} s")
+    report = {"nproc": nproc, "repeats": repeats,
+              "load_average_before": [round(x, 2) for x in load_before],
+              "load_average_after": [round(x, 2) for x in os.getloadavg()],
+              **_summary(samples["warm"])}
+    report["cold"] = _summary(samples["cold"])
+    report["warm_over_cold"] = {
+        key: _ratio(report[key], report["cold"][key])
+        for key in ("stopped_job_to_first_step_s", "worker_death_to_first_step_s")}
+    return report
+
+
+def _cycle(overrides: list[str], nproc: int, scratch: Path, cycle: int, *,
+           warm: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """One job: launched (on the checkpoints of the cycle before), a worker killed once a
+    checkpoint committed, stopped. The resume's figure (None on the first cycle, which
+    starts from nothing) and the kill's."""
     ckpt, logs = scratch / "checkpoints", scratch / "logs"
     # A checkpoint soon (yours if you set checkpoint.interval_steps), no trackers; the
     # scratch directories and an end that never comes are the benchmark's.
     args = [f"checkpoint.interval_steps={INTERVAL_STEPS}", "log.trackers=[]", *overrides,
+            f"recovery.warm_start={str(warm).lower()}",
             f"checkpoint.dir={ckpt}", f"log.dir={logs}", "train.max_steps=100000000"]
-    load_before = os.getloadavg()
-    resumes: list[dict[str, Any]] = []
-    kills: list[dict[str, Any]] = []
-    for cycle in range(repeats + 1):   # the first trains from nothing: not a resume
-        launched = time.time()
-        proc = _launch(nproc, args, scratch / f"resume-{cycle}.log")
-        try:
-            first = _phases_after(logs, launched, restart=0, proc=proc)
-            _wait_for_a_checkpoint(ckpt, after=launched, proc=proc)
-            killed_rank = 1 if nproc > 1 else 0
-            pid = _worker_pid(logs, killed_rank, launched)
-            killed = time.time()
-            os.kill(pid, signal.SIGKILL)
-            second = _phases_after(logs, killed, restart=None, proc=proc)
-        finally:
-            _stop(proc)
-        resumed, kill = cycle > 0, _figure(second, killed, "killed")
-        if resumed:
-            resumes.append(_figure(first, launched, "launched"))
-        if len(kills) < repeats:
-            kills.append(kill)
-        say(f"  {'start' if not resumed else f'repeat {cycle}'}: "
-            + (f"stopped job -> first step {resumes[-1]['seconds']:.2f} s, " if resumed
-               else "from nothing, ")
-            + f"worker killed -> first new step {kill['seconds']:.2f} s")
+    launched = time.time()
+    proc = _launch(nproc, args, scratch / f"resume-{cycle}.log")
+    try:
+        first = _phases_after(logs, launched, restart=0, proc=proc)
+        _wait_for_a_checkpoint(ckpt, after=launched, proc=proc)
+        pid = _worker_pid(logs, 1 if nproc > 1 else 0, launched)
+        killed = time.time()
+        os.kill(pid, signal.SIGKILL)
+        second = _phases_after(logs, killed, restart=None, proc=proc)
+    finally:
+        _stop(proc)
+    return (_figure(first, launched, "launched") if cycle > 0 else None,
+            _figure(second, killed, "killed"))
+
+
+def _summary(sampled: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    resumes, kills = sampled["resumes"], sampled["kills"]
     return {
-        "nproc": nproc,
-        "repeats": repeats,
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "stopped_job_to_first_step_s": _median([r["seconds"] for r in resumes]),
         "worker_death_to_first_step_s": _median([k["seconds"] for k in kills]),
         "stopped_job_phases_s": _median_phases(resumes),
@@ -98,18 +123,27 @@ def run(cfg: Config, overrides: list[str], *, repeats: int, nproc: int, scratch:
     }
 
 
+def _ratio(warm: float | None, cold: float | None) -> float | None:
+    return round(warm / cold, 3) if warm is not None and cold else None
+
+
 def text(report: dict[str, Any]) -> str:
+    cold, ratio = report["cold"], report["warm_over_cold"]
     lines = [(f"restart figures, median of {report['repeats']} ({report['nproc']} rank(s); "
-             f"load average {report['load_average_before'][0]:.2f} before, "
-             f"{report['load_average_after'][0]:.2f} after):"),
-             (f"  stopped job: resume launched -> first step   "
-             f"{_fmt(report['stopped_job_to_first_step_s'])} s"),
-             (f"  worker killed -> first new step              "
-             f"{_fmt(report['worker_death_to_first_step_s'])} s")]
+              f"load average {report['load_average_before'][0]:.2f} before, "
+              f"{report['load_average_after'][0]:.2f} after):"),
+             f"  {'':<44} {'warm':>7} {'cold':>7} {'warm/cold':>9}"]
+    for title, key in (("stopped job: resume launched -> first step",
+                        "stopped_job_to_first_step_s"),
+                       ("worker killed -> first new step", "worker_death_to_first_step_s")):
+        lines.append(f"  {title:<44} {_fmt(report[key]):>7} {_fmt(cold[key]):>7} "
+                     f"{_fmt(ratio[key]):>9}")
     for title, key in (("stopped job", "stopped_job_phases_s"),
                        ("worker killed", "worker_death_phases_s")):
-        lines.append(f"phases after '{title}' (median seconds each took):")
-        lines += [f"  {name:<26} {_fmt(seconds):>7} s" for name, seconds in report[key].items()]
+        lines.append(f"phases after '{title}' (median seconds each took):   warm    cold")
+        names = list(dict.fromkeys([*report[key], *cold[key]]))
+        lines += [f"  {name:<40} {_fmt(report[key].get(name)):>7} "
+                  f"{_fmt(cold[key].get(name)):>7}" for name in names]
     return "\n".join(lines)
 
 

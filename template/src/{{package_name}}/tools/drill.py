@@ -116,7 +116,8 @@ class Drill:
         config = ["--config", self.config] if self.config else []
         return torchrun_command("train", [*config, *self.run_dirs(name)], self.cfg.preemption,
                                 nproc_per_node=self.save_ranks,
-                                max_restarts=self.cfg.recovery.max_restarts)
+                                max_restarts=self.cfg.recovery.max_restarts,
+                                warm_start=self.cfg.recovery.warm_start)
 
     def node_commands(self, name: str, nodes: Nodes) -> list[list[str]]:
         config = ["--config", self.config] if self.config else []

@@ -1,0 +1,288 @@
+"""The zygote: one process that has imported torch and the train module, forking workers.
+
+    python -u -m <package>.launch.zygote --fd N --parent PID
+
+Started by the agent (``launch/agent.py``) on a listening socket it made; every worker
+torchrun starts asks it for a fork (``launch/warm.py``) and trains in the child, so a
+start or an in-place restart pays no import. Design, limits and figures:
+docs/RECOVERY.md ("Warm start").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+
+from .. import PACKAGE
+from ..runtime.lifeline import die_with_parent, say_if_heard
+
+READY_PREFIX = "warm start:"
+REQUEST_TIMEOUT_S = 10.0   # a worker's request, once connected, arrives within this
+MAX_REQUEST_BYTES = 1 << 22
+
+
+def say(line: str) -> None:
+    say_if_heard(f"{READY_PREFIX} {line}")
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def preload() -> int:
+    """Import what every worker imports; the OS threads the libraries' own pools hold
+    (OpenBLAS's, which stop and restart around a fork), counted before the project's
+    modules run."""
+    import numpy  # noqa: F401 - its thread pool starts at import
+    import torch
+
+    baseline = _threads()
+    import torch.distributed.checkpoint
+    import torch.distributed.checkpoint.state_dict
+    import torch.distributed.fsdp  # noqa: F401
+    __import__(f"{PACKAGE}.train")
+    __import__(f"{PACKAGE}.task")
+    return baseline
+
+
+def fork_hazard(baseline_threads: int) -> str | None:
+    """Why a fork of this process would not be a sound worker, or None."""
+    import threading
+
+    import torch
+
+    if threading.active_count() > 1:
+        names = ", ".join(t.name for t in threading.enumerate()
+                          if t is not threading.main_thread())
+        return f"a Python thread was started at import ({names})"
+    if _threads() > baseline_threads:
+        return (f"{_threads() - baseline_threads} native thread(s) were started at import")
+    if torch.cuda.is_initialized():
+        return "CUDA was initialised at import (a forked child could not use it)"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "a process group exists"
+    return None
+
+
+class Zygote:
+    """The serving loop: accept a worker's request, fork, report the child's exit."""
+
+    def __init__(self, listener: socket.socket, baseline_threads: int) -> None:
+        self.listener = listener
+        self.baseline = baseline_threads
+        self.selector = selectors.DefaultSelector()
+        self.children: dict[int, socket.socket] = {}   # child pid -> the requester's socket
+        self.refused: str | None = None
+        wake_r, self.wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        self.wake_r = wake_r
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.selector.register(listener, selectors.EVENT_READ, "accept")
+        self.selector.register(wake_r, selectors.EVENT_READ, "child")
+
+    def serve(self, parent: int) -> None:
+        while os.getppid() == parent:
+            for key, _ in self.selector.select(timeout=0.5):
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "child":
+                    try:
+                        os.read(self.wake_r, 512)
+                    except BlockingIOError:
+                        pass
+                    self._reap()
+                else:   # a requester's socket: readable means it is gone (EOF)
+                    self._requester_gone(key.data, key.fileobj)
+            self._reap()
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        try:
+            request, fds = _receive(conn)
+        except (OSError, ValueError) as exc:
+            say(f"a worker's request could not be read ({exc})")
+            conn.close()
+            return
+        hazard = self.refused or fork_hazard(self.baseline)
+        if hazard is not None:
+            if self.refused is None:
+                self.refused = hazard
+                say(f"refused: {hazard}: workers start cold")
+            for fd in fds:
+                os.close(fd)
+            _send(conn, {"refused": hazard})
+            conn.close()
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            self._become_worker(conn, request, fds)   # never returns
+        for fd in fds:
+            os.close(fd)
+        self.children[pid] = conn
+        self.selector.register(conn, selectors.EVENT_READ, pid)
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.children.pop(pid, None)
+            if conn is None:
+                continue
+            self.selector.unregister(conn)
+            try:
+                _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+            except OSError:
+                pass
+            conn.close()
+
+    def _requester_gone(self, pid: int, conn: socket.socket) -> None:
+        """The worker's launcher-side process ended (killed): its child goes too."""
+        try:
+            if conn.recv(1):
+                return   # not expected; nothing to do
+        except OSError:
+            pass
+        self.selector.unregister(conn)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+    def _become_worker(self, conn: socket.socket, request: dict, fds: list[int]) -> None:
+        """In the forked child: become the worker ``request`` describes, run it, exit."""
+        code = 1
+        try:
+            os.setsid()   # its own process group, as torchrun starts workers
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self.selector.close()
+            for closing in (self.listener, *self.children.values()):
+                closing.close()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+                os.close(fd)
+            from .warm import become_worker
+
+            code = become_worker(conn, request)
+        except BaseException:   # noqa: BLE001 - a child must never return into the loop
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    conn.settimeout(REQUEST_TIMEOUT_S)
+    _, fds, _, _ = socket.recv_fds(conn, 1, 3)
+    if len(fds) != 3:
+        raise ValueError(f"expected 3 file descriptors, got {len(fds)}")
+    size = int.from_bytes(_exactly(conn, 4), "big")
+    if size > MAX_REQUEST_BYTES:
+        raise ValueError(f"request of {size} bytes")
+    request = json.loads(_exactly(conn, size))
+    conn.settimeout(None)
+    return request, fds
+
+
+def _exactly(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ValueError("the worker hung up")
+        data += chunk
+    return data
+
+
+def _send(conn: socket.socket, message: dict) -> None:
+    conn.sendall((json.dumps(message) + "\n").encode())
+
+
+class Started:
+    """The agent's handle on its zygote: ``start`` before torch is imported, ``stop`` at
+    the end (bounded; what does not end is killed)."""
+
+    STOP_S = 5.0
+
+    def __init__(self, nproc_per_node: str | None) -> None:
+        import subprocess
+        import tempfile
+
+        self.folder = tempfile.mkdtemp(prefix="zygote-")
+        self.path = os.path.join(self.folder, "socket")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen(64)
+        env = dict(os.environ)
+        # As torchrun sets it for the workers of several processes (before they import):
+        # the zygote's libraries size their thread pools by it.
+        if "OMP_NUM_THREADS" not in env and (nproc_per_node or "1").isdigit() \
+                and int(nproc_per_node or "1") > 1:
+            env["OMP_NUM_THREADS"] = "1"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", f"{PACKAGE}.launch.zygote",
+             f"--fd={listener.fileno()}", f"--parent={os.getpid()}"],
+            pass_fds=[listener.fileno()], env=env)
+        listener.close()   # the zygote's now: once it is gone, workers are refused at once
+
+    def stop(self) -> None:
+        import shutil
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(self.STOP_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {PACKAGE}.launch.zygote")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    listener = socket.socket(fileno=args.fd)
+    began = time.monotonic()
+    try:
+        baseline = preload()
+    except Exception as exc:  # noqa: BLE001 - the workers start cold and show it whole
+        say(f"the zygote could not import the train module ({type(exc).__name__}: "
+            f"{exc}): workers start cold")
+        return 1
+    if os.environ.get(f"{PACKAGE.upper()}_WARM_VERBOSE"):
+        say(f"zygote {os.getpid()} ready in {time.monotonic() - began:.2f} s")
+    Zygote(listener, baseline).serve(args.parent)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
