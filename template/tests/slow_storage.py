@@ -1,6 +1,6 @@
 """A deliberately slow checkpoint storage, and a probe that saves and trains through it.
 
-``SlowWriter`` is DCP's filesystem writer that sleeps before writing: a slow disk or
+``SlowWriter`` is the project's filesystem writer that sleeps before writing: a slow disk or
 object store. In ``process`` mode DCP pickles the writer into its checkpoint process,
 which imports this module by name, so it lives here, at module level, on the path
 (tests/ is on PYTHONPATH when ``test_save_path`` runs the probe).
@@ -22,16 +22,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from torch.distributed.checkpoint import FileSystemWriter
-
 # The suite root (conftest.py): the project with the suite's own task and config.
 ROOT = Path(os.environ.get("SUITE_ROOT") or Path(__file__).resolve().parents[1])
 PACKAGE = next(p.parent.name for p in sorted((ROOT / "src").glob("*/train.py")))
 SAVE_STEP = 1000   # the one save of the training loop (its interval: no other step is due)
 
 
-class SlowWriter(FileSystemWriter):
-    """DCP's filesystem writer, sleeping ``delay_s`` before it writes anything."""
+def _module(name: str):
+    return importlib.import_module(f"{PACKAGE}.{name}")
+
+
+class SlowWriter(_module("checkpoint.store.checksummed_writer").LocalWriter):
+    """The project's filesystem writer, sleeping ``delay_s`` before it writes anything."""
 
     def __init__(self, path: str, delay_s: float) -> None:
         super().__init__(path, sync_files=True)
@@ -40,10 +42,6 @@ class SlowWriter(FileSystemWriter):
     def write_data(self, plan, planner):
         time.sleep(self.delay_s)
         return super().write_data(plan, planner)
-
-
-def _module(name: str):
-    return importlib.import_module(f"{PACKAGE}.{name}")
 
 
 def slow_storage(root: Path, delay_s: float):

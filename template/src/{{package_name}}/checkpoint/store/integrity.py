@@ -1,4 +1,4 @@
-"""Checksums of a checkpoint's files: recorded at commit, checked before a load.
+"""Checksums of a checkpoint's files: recorded as they are written, checked before a load.
 
 A file's size says it was written whole; only its content's checksum says the bytes are
 the ones that were written. ``commit.json`` records, for every file, its size and the
@@ -7,29 +7,17 @@ CRC-32 of each 8 MiB block:
     "files": {"__0_0.distcp": {"size": 104857600, "crc32": ["8c1f0a3e", "0b77d2c4"]}, ...}
     "checksum": {"algorithm": "crc32", "block_bytes": 8388608}
 
-CRC-32 (zlib, in the standard library) is the fastest stdlib checksum here (about
-2.8 GB/s on one core, against 1.3 GB/s for SHA-256) and catches any burst of damage
-up to 32 bits long and all but one in 2**32 others: enough to tell damaged bytes from
-intact ones, not to resist someone who can rewrite commit.json as well (that is what
-the restricted loader in ``safe_load`` is for). Per-block values let ``sample``
-verification read a part of each large file and still check what it reads.
-
-Verification modes (``checkpoint.verify``): ``all`` reads every byte; ``sample`` reads
-every small file (``.metadata``, files of one block), and of larger files the first and
-last block and one block in ``SAMPLE_EVERY`` of the others, chosen at random each time;
-``none`` checks sizes only. A commit.json written before checksums were recorded
-(``files`` maps names to sizes) is accepted with sizes only, and said so.
-
-Both sides read up to ``MAX_THREADS`` files at once: zlib.crc32 and file reads release
-the GIL, so the shards of a multi-rank checkpoint are checksummed on as many cores.
-
-A resume checks the checksums while it loads (``StreamCheck``, used by ``reader.py``):
-every block a rank reads for the load is checked as it arrives, so the bytes are read
-once, not once to check and once to load.
+The writers compute them as the bytes go out (``BlockCrcs``, ``checksummed_writer.py``)
+and record them in ``RECORD_FILE``; the commit reads that record, never a shard
+(``recorded_entries``). Verification modes (``checkpoint.verify``: all, sample, none),
+the load's check as it reads (``StreamCheck``) and why CRC-32: docs/RESUMING.md and
+docs/PERFORMANCE.md. A commit.json without checksums (``files`` maps names to sizes) is
+accepted with sizes only, and said so.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -49,6 +37,8 @@ SAMPLE_EVERY = 8
 MAX_THREADS = 8      # files checksummed at once (commit and verification)
 _READ_BYTES = 1 << 20
 MODES = ("all", "sample", "none")
+# Beside the shards of a save: every file's checksums, as its writer computed them.
+RECORD_FILE = ".checksums.json"
 
 
 def _mode(mode: Any) -> str:
@@ -58,28 +48,72 @@ def _mode(mode: Any) -> str:
     return value
 
 
-def checksum_entry(storage: Storage, name: str, size: int) -> dict[str, Any]:
-    """What commit.json records for one file: its size and its blocks' CRC-32."""
-    blocks, read, block = [], 0, BLOCK_BYTES
-    with storage.open_read(name) as handle:
-        while True:
-            crc, got = _crc_of_block(handle, block)
-            if got == 0 and blocks:
-                break
-            blocks.append(f"{crc:08x}")
-            read += got
-            if got < block:
-                break
-    if read != size:
-        raise OSError(f"{name} changed while its checksum was computed "
-                      f"({read} bytes read, {size} listed)")
-    return {"size": size, ALGORITHM: blocks}
-
-
-def record_fields() -> dict[str, Any]:
+def record_fields(block_bytes: int = BLOCK_BYTES) -> dict[str, Any]:
     """The commit.json fields that say how the checksums were computed."""
-    checksum = {"algorithm": ALGORITHM, "block_bytes": BLOCK_BYTES}
+    checksum = {"algorithm": ALGORITHM, "block_bytes": block_bytes}
     return {"checksum": checksum}
+
+
+class BlockCrcs:
+    """The CRC-32 of each ``block_bytes`` of a stream, as its bytes go by: ``entry()`` is
+    what commit.json records for the file (an empty file has one block, 00000000)."""
+
+    def __init__(self, block_bytes: int = BLOCK_BYTES) -> None:
+        self.block, self.size, self.blocks, self._crc = block_bytes, 0, [], 0
+
+    def update(self, view: memoryview) -> None:
+        while view:
+            take = min(len(view), self.block - self.size % self.block)
+            self._crc = zlib.crc32(view[:take], self._crc)
+            self.size += take
+            view = view[take:]
+            if self.size % self.block == 0:
+                self.blocks.append(f"{self._crc:08x}")
+                self._crc = 0
+
+    def entry(self) -> dict[str, Any]:
+        tail = [f"{self._crc:08x}"] if self.size % self.block or not self.size else []
+        return {"size": self.size, ALGORITHM: [*self.blocks, *tail]}
+
+
+def recorded_entries(storage: Storage, work: str, files: dict[str, int]) -> tuple[dict, int]:
+    """commit.json's ``files`` for the save in ``work`` (``files``: every file there, with
+    its size on storage) and the block size, from the checksums its writers recorded.
+
+    Reads ``RECORD_FILE`` and nothing else. Raises RuntimeError, naming the file, when a
+    recorded file is not visible here, a file has another size than was written, or was
+    not written through a checksumming writer.
+    """
+    where = f"cannot commit {storage.path(work)}"
+    try:
+        with storage.open_read(f"{work}/{RECORD_FILE}") as handle:
+            data = handle.read()
+        record = json.loads(data)
+        block, entries = int(record["block_bytes"]), dict(record["files"])
+    except FileNotFoundError:
+        raise RuntimeError(f"{where}: {RECORD_FILE} is missing (its writers recorded no "
+                           "checksums)") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RuntimeError(f"{where}: {RECORD_FILE} is unreadable ({exc})") from None
+    missing = sorted(entries.keys() - files.keys())
+    if missing:
+        raise RuntimeError(f"{where}: {', '.join(missing)} not visible to rank 0; "
+                           "checkpoint.dir must be storage that all ranks share")
+    listed = {}
+    for name, size in sorted(files.items()):
+        if name == RECORD_FILE:
+            continue
+        if name not in entries:
+            raise RuntimeError(f"{where}: {name} has no recorded checksum (it was not "
+                               "written by the checkpoint's writers)")
+        if entries[name].get("size") != size:
+            raise RuntimeError(f"{where}: {name} is {size:,} bytes on storage, "
+                               f"{entries[name].get('size')} were written")
+        listed[name] = entries[name]
+    own = BlockCrcs(block)
+    own.update(memoryview(data))
+    listed[RECORD_FILE] = own.entry()
+    return listed, block
 
 
 def file_sizes(record: dict[str, Any]) -> dict[str, int] | None:

@@ -96,32 +96,26 @@ def commit(storage: Storage, step: int, record: dict[str, Any],
     """Seal a finished save: write commit.json last, then move it into place.
 
     Call only after every rank's shards and the metadata file are written. Every file
-    that DCP's metadata names must be visible here: a checkpoint directory that is not
-    shared by all ranks (node-local disks) is refused rather than committed incomplete.
-    ``metadata`` is what DCP's save returned (the content of the metadata file); without
-    it the file is read back.
+    written must be visible here: a checkpoint directory that is not shared by all ranks
+    (node-local disks) is refused rather than committed incomplete. The checksums are
+    the ones the writers recorded as they wrote (``integrity.recorded_entries``): no file
+    is read back. ``metadata`` (what DCP's save returned), when given, is checked too.
     """
     work = staging_name(step, storage)
     files = storage.list_files(work)
     if METADATA_FILE not in files:
         raise RuntimeError(f"cannot commit {work}: {METADATA_FILE} is missing")
-    if not isinstance(getattr(metadata, "storage_data", None), dict):
-        with storage.open_read(f"{work}/{METADATA_FILE}") as handle:
-            metadata = metadata_file.load_metadata(handle, storage.path(f"{work}/{METADATA_FILE}"))
-    named = {info.relative_path for info in metadata.storage_data.values()}
+    written = getattr(metadata, "storage_data", None)
+    named = {i.relative_path for i in written.values()} if isinstance(written, dict) else set()
     missing = sorted(named - files.keys())
     if missing:
         raise RuntimeError(
             f"cannot commit {storage.path(work)}: {', '.join(missing)} not visible to rank 0; "
             "checkpoint.dir must be storage that all ranks share")
     files.pop(COMMIT_FILE, None)
-    # Read back and checksummed here, once every rank has written: what a later load
-    # compares against. On a local disk the files are still in the page cache.
-    names = sorted(files)
-    entries = dict(zip(names, integrity.parallel_map(
-        lambda name: integrity.checksum_entry(storage, f"{work}/{name}", files[name]), names)))
+    entries, block = integrity.recorded_entries(storage, work, files)
     record = {**record, "step": step, "format_version": FORMAT_VERSION, "files": entries,
-              **integrity.record_fields()}
+              **integrity.record_fields(block)}
     storage.write_text_durable(f"{work}/{COMMIT_FILE}", json.dumps(record, indent=1) + "\n")
     final = step_name(step)
     if work != final:

@@ -125,9 +125,9 @@ class LocalStorage:
         (self.root / name).unlink(missing_ok=True)
 
     def writer(self, name: str) -> StorageWriter:
-        from torch.distributed.checkpoint import FileSystemWriter  # torch only when saving
+        from .checksummed_writer import LocalWriter  # torch only when saving
 
-        return FileSystemWriter(self.path(name), sync_files=True)
+        return LocalWriter(self.path(name), sync_files=True)
 
     def open_read(self, name: str) -> IO[bytes]:
         return open(self.root / name, "rb")
@@ -244,10 +244,9 @@ class FsspecStorage:
             pass
 
     def writer(self, name: str) -> StorageWriter:
-        # DCP's fsspec writer lives in a private module (public since torch 2.2 in all but name).
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        from .checksummed_fsspec import ObjectStoreWriter  # over DCP's FsspecWriter
 
-        return FsspecWriter(self.path(name), sync_files=True)
+        return ObjectStoreWriter(self.path(name), sync_files=True)
 
     def open_read(self, name: str) -> IO[bytes]:
         return self.fs.open(self._key(name), "rb")

@@ -1,0 +1,176 @@
+"""DCP writers that checksum every file as its bytes are written: nothing is read back.
+
+Each rank's writer (in DCP's checkpoint process, in process mode) passes every file it
+writes through a stream that computes the per-block CRC-32 of ``integrity`` on the way
+out; the values travel to the coordinator with the rank's write results, and the
+coordinator's writer records them all, its ``.metadata`` included, in
+``integrity.RECORD_FILE`` beside the shards. The commit reads that one small file and
+never a shard (``integrity.recorded_entries``). The shards and ``.metadata`` stay DCP's
+own: any DCP reader reads them. Design and figures: docs/PERFORMANCE.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from io import UnsupportedOperation
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+
+from . import integrity
+
+_CARRIER = "__checksums_of_rank__"   # the fqn of the write result that carries them
+
+
+def _name(path: Any) -> str:
+    """A file's name in the checkpoint directory (DCP writes no subdirectories)."""
+    return os.fspath(path).replace("\\", "/").rsplit("/", 1)[-1]
+
+
+class _CrcStream:
+    """A write stream that checksums the bytes it passes on. ``tell``, ``flush`` and
+    ``fileno`` are the stream's own, so that DCP still records item offsets and fsyncs
+    the file; there is no ``seek``: a write that went back would void the checksums."""
+
+    def __init__(self, raw: Any, block_bytes: int) -> None:
+        self._raw = raw
+        self.crcs = integrity.BlockCrcs(block_bytes)
+
+    def write(self, data: Any) -> int:
+        written = self._raw.write(data)
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        self.crcs.update(view if written is None else view[:written])
+        return written
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        self._raw.flush()   # what fsync is asked to make durable must have left the buffer
+        return self._raw.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    @property
+    def closed(self) -> bool:
+        return self._raw.closed
+
+    def close(self) -> None:
+        self._raw.close()
+
+
+class ChecksummingFileSystem:
+    """Mixed into a DCP ``FileSystem``: every file opened with ``wb`` is checksummed as it
+    is written; ``take`` hands over the entries of the files written whole since the last
+    call. Picklable: the writer goes to the checkpoint process."""
+
+    block_bytes = integrity.BLOCK_BYTES
+
+    def _written(self) -> tuple[threading.Lock, dict[str, dict[str, Any]]]:
+        if "_lock" not in self.__dict__:
+            self._lock, self._entries = threading.Lock(), {}
+        return self._lock, self._entries
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_entries")}
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str):
+        with super().create_stream(path, mode) as raw:
+            if mode != "wb":
+                yield raw
+                return
+            stream = _CrcStream(raw, self.block_bytes)
+            yield stream
+            lock, entries = self._written()   # only a file written to the end counts
+            with lock:
+                entries[_name(path)] = stream.crcs.entry()
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        super().rename(path, new_path)
+        lock, entries = self._written()
+        with lock:
+            if _name(path) in entries:
+                entries[_name(new_path)] = entries.pop(_name(path))
+
+    def take(self) -> dict[str, dict[str, Any]]:
+        lock, entries = self._written()
+        with lock:
+            taken = dict(entries)
+            entries.clear()
+        return taken
+
+
+class _LocalFileSystem(ChecksummingFileSystem, FileSystem):
+    """DCP's local FileSystem, checksumming."""
+
+
+@dataclass(frozen=True)
+class _Carried:
+    """The checksums of one rank's files, among its write results on their way to the
+    coordinator's ``finish`` (which takes them out before DCP's metadata is built)."""
+
+    entries: dict[str, dict[str, Any]]
+
+
+class ChecksummingWriterMixin:
+    """``write_data`` adds this rank's checksums to its results; ``finish`` (the
+    coordinator) writes DCP's metadata, then records every file's checksums."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        written = super().write_data(plan, planner)
+
+        def with_checksums(done: Any) -> list[WriteResult]:
+            carrier = WriteResult(index=MetadataIndex(_CARRIER), size_in_bytes=0,
+                                  storage_data=_Carried(self.fs.take()))
+            return [*done.value(), carrier]
+
+        return written.then(with_checksums)
+
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        entries: dict[str, dict[str, Any]] = {}
+        plain = []
+        for rank_results in results:
+            plain.append([r for r in rank_results if not isinstance(r.storage_data, _Carried)])
+            for r in rank_results:
+                if isinstance(r.storage_data, _Carried):
+                    entries.update(r.storage_data.entries)
+        super().finish(metadata, plain)
+        entries.update(self.fs.take())   # .metadata, written and renamed just now
+        data = json.dumps({"algorithm": integrity.ALGORITHM,
+                           "block_bytes": self.fs.block_bytes,
+                           "files": dict(sorted(entries.items()))}).encode()
+        path = self.fs.concat_path(self.path, integrity.RECORD_FILE)
+        with self.fs.create_stream(path, "wb") as stream:
+            stream.write(data)
+            if self.sync_files:
+                try:
+                    os.fsync(stream.fileno())
+                except (AttributeError, UnsupportedOperation):
+                    pass   # an object store: the object is durable once closed
+        self.fs.take()   # the record's own checksum is computed by the commit that reads it
+
+
+class LocalWriter(ChecksummingWriterMixin, FileSystemWriter):
+    """DCP's FileSystemWriter, every file checksummed as it is written."""
+
+    def __init__(self, path: Any, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = _LocalFileSystem()
+        self.fs.block_bytes = integrity.BLOCK_BYTES   # the value here, not the process's
