@@ -9,8 +9,16 @@ if __name__ == "__main__":  # a stop signal during the imports below is kept, no
     from .preemption import early
 
     early.hold()
+    from .launch.zygote import ahead
+
+    zygote = ahead(sys.argv[1:])   # warm start: its imports beside this command's own
 
 from .launch.supervisor import main  # after the hold
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        status = main(zygote=zygote)
+    finally:
+        if zygote is not None:
+            zygote.stop()
+    sys.exit(status)

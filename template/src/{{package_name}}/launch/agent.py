@@ -30,7 +30,7 @@ import threading
 
 from ..runtime.lifeline import on_parent_gone, say_if_heard
 from .warm import ZYGOTE_ENV
-from .zygote import Started
+from .zygote import Started, watch_me
 
 ORPHAN_SIGNAL = "--orphan-signal="   # the agent's own options; first, before torchrun's
 WARM_START = "--warm-start"           # workers forked from a zygote (launch/zygote.py)
@@ -60,7 +60,9 @@ def watch_parent(stop: signal.Signals) -> threading.Thread:
 def main(argv: list[str]) -> int:
     zygote = None
     while argv and argv[0].startswith((ORPHAN_SIGNAL, WARM_START)):
-        if argv[0] == WARM_START:   # first: its imports beside this process's own
+        if argv[0] == WARM_START and os.environ.get(ZYGOTE_ENV):
+            watch_me(os.environ[ZYGOTE_ENV])   # resume started it: it ends with this agent
+        elif argv[0] == WARM_START:   # first: its imports beside this process's own
             nproc = next((a.split("=", 1)[1] for a in argv
                           if a.startswith("--nproc-per-node=")), None)
             zygote = Started(nproc)

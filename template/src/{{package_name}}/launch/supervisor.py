@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -45,7 +46,15 @@ from ..checkpoint.store.layout import check_storage
 from ..checkpoint.store.lease import Lease, LeaseHeld, scheduler_job_id
 from ..checkpoint.store.outage import command_failure, with_retries
 from ..checkpoint.store.storage import Storage
-from ..config import Config, ConfigError, PreemptionConfig, RecoveryConfig, VerifyMode, load_config
+from ..config import (
+    Config,
+    ConfigError,
+    PreemptionConfig,
+    RecoveryConfig,
+    VerifyMode,
+    load_config,
+    to_plain_dict,
+)
 from ..interval.inputs import configured_inputs
 from ..ledger.advice import mtbi_notice
 from ..loop.sampling import BatchSizeError, split_global_batch
@@ -69,6 +78,8 @@ from .verdict import (
     stopped_before_launch,
     training_status_since,
 )
+from .warm import ZYGOTE_ENV
+from .zygote import Started
 
 # Forwarded to torchrun even when preemption.signals does not list them: Ctrl-C and the
 # signals schedulers use to announce the end of an allocation.
@@ -120,8 +131,12 @@ def _refuse_another_models_checkpoint(cfg: Config, storage: Storage,
                                      checkpoint: Committed) -> None:
     """Raise ValueError when the checkpoint's model is not this configuration's model.
 
-    The model is built on the meta device (no memory, no weights) for its shapes.
+    Skipped when the checkpoint recorded the same ``model:`` settings (training checks
+    the shapes again as it loads); otherwise the model is built on the meta device (no
+    memory, no weights; about a second of imports) for its shapes.
     """
+    if checkpoint.record.get("config", {}).get("model") == to_plain_dict(cfg).get("model"):
+        return
     import torch
 
     with torch.device("meta"):
@@ -208,7 +223,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, zygote: Started | None = None) -> int:
+    """The command; ``zygote``: the one ``resume.py`` started ahead of its imports."""
     args = parse_args(argv)
     # Warnings (e.g. a damaged checkpoint being skipped) go to stderr; stdout stays clean
     # for --dry-run's JSON.
@@ -222,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         where = f"checkpoint.dir={cfg.checkpoint.dir}"
+        if zygote is not None and not cfg.recovery.warm_start:
+            zygote.stop()
+            zygote = None
         check_config(load_task(), cfg)  # the task's own sections, before torchrun starts
         storage = open_storage(cfg.checkpoint.dir)
         nproc = auto_nproc() if args.nproc_per_node == "auto" else args.nproc_per_node
@@ -274,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
               + phases.breakdown(phases.newest_timeline(cfg.log.dir)), file=human)
         print(point.to_json(), flush=True)
         return 0
+    if zygote is not None:   # the agent's workers are forked from it (launch/warm.py)
+        os.environ[ZYGOTE_ENV] = zygote.path
     # The job id training's lease carries: the scheduler's, else torchrun's run id.
     job_id = scheduler_job_id() or args.rdzv_id or DEFAULT_RDZV_ID
     return supervise(command, storage, checkpoint, cfg.preemption, Path(cfg.log.dir),

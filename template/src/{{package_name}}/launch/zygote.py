@@ -23,6 +23,7 @@ from .. import PACKAGE
 from ..runtime.lifeline import die_with_parent, say_if_heard
 
 READY_PREFIX = "warm start:"
+FORK, WATCH = b"F", b"W"   # a request's first byte: fork a worker; end with this process
 REQUEST_TIMEOUT_S = 10.0   # a worker's request, once connected, arrives within this
 MAX_REQUEST_BYTES = 1 << 22
 
@@ -96,6 +97,8 @@ class Zygote:
             for key, _ in self.selector.select(timeout=0.5):
                 if key.data == "accept":
                     self._accept()
+                elif key.data == "watched":
+                    return
                 elif key.data == "child":
                     try:
                         os.read(self.wake_r, 512)
@@ -112,9 +115,13 @@ class Zygote:
         except OSError:
             return
         try:
-            request, fds = _receive(conn)
+            kind, request, fds = _receive(conn)
         except (OSError, ValueError) as exc:
             say(f"a worker's request could not be read ({exc})")
+            conn.close()
+            return
+        if kind == WATCH:
+            self._watch(int(request["pid"]))
             conn.close()
             return
         hazard = self.refused or fork_hazard(self.baseline)
@@ -136,6 +143,15 @@ class Zygote:
             os.close(fd)
         self.children[pid] = conn
         self.selector.register(conn, selectors.EVENT_READ, pid)
+
+    def _watch(self, pid: int) -> None:
+        """End the zygote when ``pid`` (the agent, when ``resume`` started the zygote)
+        ends: its workers then see their parent gone, as when a launcher dies."""
+        try:
+            self.selector.register(os.pidfd_open(pid), selectors.EVENT_READ, "watched")
+        except (OSError, AttributeError):
+            if not _alive(pid):
+                raise SystemExit(0) from None
 
     def _reap(self) -> None:
         while self.children:
@@ -195,17 +211,27 @@ class Zygote:
             os._exit(code)
 
 
-def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _receive(conn: socket.socket) -> tuple[bytes, dict, list[int]]:
     conn.settimeout(REQUEST_TIMEOUT_S)
-    _, fds, _, _ = socket.recv_fds(conn, 1, 3)
-    if len(fds) != 3:
+    kind, fds, _, _ = socket.recv_fds(conn, 1, 3)
+    if kind == FORK and len(fds) != 3:
         raise ValueError(f"expected 3 file descriptors, got {len(fds)}")
     size = int.from_bytes(_exactly(conn, 4), "big")
     if size > MAX_REQUEST_BYTES:
         raise ValueError(f"request of {size} bytes")
     request = json.loads(_exactly(conn, size))
     conn.settimeout(None)
-    return request, fds
+    return kind, request, fds
 
 
 def _exactly(conn: socket.socket, size: int) -> bytes:
@@ -223,8 +249,8 @@ def _send(conn: socket.socket, message: dict) -> None:
 
 
 class Started:
-    """The agent's handle on its zygote: ``start`` before torch is imported, ``stop`` at
-    the end (bounded; what does not end is killed)."""
+    """The handle on a zygote, started before torch is imported (by ``resume``, else by
+    the agent); ``stop`` at the end (bounded; what does not end is killed)."""
 
     STOP_S = 5.0
 
@@ -261,6 +287,36 @@ class Started:
                 self.proc.kill()
                 self.proc.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def ahead(argv: list[str]) -> Started | None:
+    """In ``resume``, before its imports: a zygote for the launch to come, unless the
+    command line says there will be none (``--dry-run``, ``--help``,
+    ``recovery.warm_start=false``; a config file that says so stops it later)."""
+    if {"--dry-run", "-h", "--help"} & set(argv) or "recovery.warm_start=false" in argv:
+        return None
+    nproc = next((argv[i + 1] for i, a in enumerate(argv[:-1])
+                  if a in ("--nproc-per-node", "--nproc_per_node")), None)
+    nproc = next((a.split("=", 1)[1] for a in argv
+                  if a.startswith(("--nproc-per-node=", "--nproc_per_node="))), nproc)
+    try:
+        return Started(nproc)
+    except OSError:
+        return None   # the agent starts one itself
+
+
+def watch_me(path: str) -> None:
+    """In the agent, for a zygote ``resume`` started: end it when this process ends."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(REQUEST_TIMEOUT_S)
+    try:
+        conn.connect(path)
+        request = json.dumps({"pid": os.getpid()}).encode()
+        conn.sendall(WATCH + len(request).to_bytes(4, "big") + request)
+    except OSError:
+        pass   # gone already: the workers start cold, and say so
+    finally:
+        conn.close()
 
 
 def main(argv: list[str] | None = None) -> int:
