@@ -151,7 +151,7 @@ class Zygote:
             self.selector.register(os.pidfd_open(pid), selectors.EVENT_READ, "watched")
         except (OSError, AttributeError):
             if not _alive(pid):
-                raise SystemExit(0) from None
+                os._exit(0)
 
     def _reap(self) -> None:
         while self.children:
@@ -325,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent", type=int, required=True)
     args = parser.parse_args(argv)
     die_with_parent(args.parent)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Ends at once: an interpreter's clean-up of torch's modules takes seconds, in which
+    # its workers would not yet see it gone.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     listener = socket.socket(fileno=args.fd)
     began = time.monotonic()
     try:
@@ -337,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(f"{PACKAGE.upper()}_WARM_VERBOSE"):
         say(f"zygote {os.getpid()} ready in {time.monotonic() - began:.2f} s")
     Zygote(listener, baseline).serve(args.parent)
-    return 0
+    os._exit(0)
 
 
 if __name__ == "__main__":
