@@ -13,7 +13,9 @@ Each test prints its figures; none of them is a timed assertion.
 - the project's stager on CUDA, three saves in a row through one stager: each staged in
   pinned host memory, equal to the device state it copied (on torch 2.11 and 2.12.0 DCP
   closes a stager after every stage; runtime/torch_compat.py keeps it open);
-- export of the bf16 run to a Hugging Face directory that ``from_pretrained`` loads.
+- export of the bf16 run to a Hugging Face directory that ``from_pretrained`` loads;
+- a warm restart on CUDA: ``resume``'s worker, forked from the zygote (which never
+  touches CUDA), initialises CUDA itself; killed, it is forked again and trains on.
 
 Run on the GPU image's own torch (2.9 or newer) by the template's ``make gpu-check
 GPU_PYTHON=python3``, which needs nothing there but the wheels of omegaconf and antlr4.
@@ -27,7 +29,16 @@ import shutil
 import pytest
 import torch
 
-from conftest import project_module, read_metrics, run_module
+from conftest import (
+    cmdline,
+    finish,
+    parents,
+    project_module,
+    read_metrics,
+    run_module,
+    start,
+    wait_until,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -115,3 +126,42 @@ def test_a_bf16_run_exports_to_hugging_face(tmp_path):
     newest = project_module("checkpoint").newest_complete_checkpoint(
         project_module("checkpoint").open_storage(str(ckpt)))
     assert newest is not None and newest.record["device_type"] == "cuda"
+
+
+def test_a_warm_restart_on_cuda_forks_a_worker_that_initialises_cuda_itself(tmp_path):
+    import os
+    import signal
+    import time
+
+    ckpt, logs, log = tmp_path / "ckpt", tmp_path / "logs", tmp_path / "resume.log"
+    proc = start("resume", "--nproc-per-node", "1", *RUN[:3], "train.max_steps=100000",
+                 "checkpoint.interval_steps=4", "model.d_model=128", "model.n_layers=2",
+                 f"checkpoint.dir={ckpt}", f"log.dir={logs}", log_file=log)
+    attempts = project_module("recovery.attempts")
+
+    def worker(since: float) -> int | None:
+        found = [int(r["pid"]) for r in attempts.read_records(logs)
+                 if r.get("state") == "running" and r.get("started", 0) >= since]
+        return found[0] if found else None
+
+    try:
+        began = time.time()
+        first = wait_until(lambda: worker(began - 1), proc, "a worker", log_file=log)
+        wait_until(lambda: [e for e in read_metrics(logs) if e["event"] == "save"], proc,
+                   "a checkpoint", log_file=log)
+        assert b"launch.zygote" in cmdline(parents()[first])
+        killed = time.time()
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: [e for e in read_metrics(logs) if e["event"] == "recovered"],
+                   proc, "the first step after the kill", timeout=300, log_file=log)
+        again = worker(killed)
+        assert again is not None and b"launch.zygote" in cmdline(parents()[again])
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        code = finish(proc, 180)
+    recovered = [e for e in read_metrics(logs) if e["event"] == "recovered"][-1]
+    print("warm restart on CUDA: failure -> first step "
+          f"{recovered['failure_to_first_step_s']:.2f} s")
+    text = log.read_text(errors="replace")
+    assert code == 75, text[-4000:]
+    assert text.count("1 rank(s) on cuda") >= 2 and "warm start:" not in text, text[-4000:]
