@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from file_events import FileReads
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import overrides_for, read_metrics, run_module, torchrun
@@ -18,8 +19,13 @@ overrides = overrides_for(*SMALL)
 @pytest.mark.slow
 def test_two_ranks_save_retain_and_resume(run_dirs, tmp_path):
     args = overrides(run_dirs, "checkpoint.interval_steps=4", "checkpoint.keep_last=2")
-    torchrun(2, "train", "train.max_steps=12", *args)
     ckpt = Path(run_dirs["ckpt"])
+    with FileReads(ckpt) as reads:   # seen from outside: inotify
+        torchrun(2, "train", "train.max_steps=12", *args)
+    # No process of a save reads back what it wrote: the commit reads the writers' record.
+    in_checkpoints = {Path(name).name for name in reads.files if name.startswith("step_")}
+    assert in_checkpoints <= {".checksums.json", "commit.json"}, reads.files
+    assert any(name.endswith(".checksums.json") for name in reads.files), reads.files
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_000000008", "step_000000012"]
     for step_dir in ckpt.glob("step_*"):
         names = {p.name for p in step_dir.iterdir()}

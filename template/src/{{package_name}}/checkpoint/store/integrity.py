@@ -62,6 +62,10 @@ class BlockCrcs:
         self.block, self.size, self.blocks, self._crc = block_bytes, 0, [], 0
 
     def update(self, view: memoryview) -> None:
+        if len(view) < self.block - self.size % self.block:   # most writes: inside a block
+            self._crc = zlib.crc32(view, self._crc)
+            self.size += len(view)
+            return
         while view:
             take = min(len(view), self.block - self.size % self.block)
             self._crc = zlib.crc32(view[:take], self._crc)
