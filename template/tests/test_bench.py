@@ -16,7 +16,7 @@ FIGURES = ("baseline", "dcp_sync", "disk_bound", "async_blocking", "async_commit
            *(("memory_save", "memory_load", "memory_load_sampled", "memory_load_checked",
               "memory_check") if MEMORY else ()))
 RATIOS = ("baseline/blocking", "blocking/copy_bound", "commit/disk_bound", "load/read_bound",
-          "stall/copy_bound", "memory_save/copy_bound", "load/memory_load",
+          "stall/copy_bound", "stall/dcp_sync", "memory_save/copy_bound", "load/memory_load",
           "load/memory_load_sampled", "load/memory_load_checked")
 
 

@@ -15,6 +15,7 @@ def ratios(med: dict[str, float | None]) -> dict[str, float | None]:
         "commit/disk_bound": ratio(med["async_commit"], med["disk_bound"]),
         "load/read_bound": ratio(med["load"], med["read_bound"]),
         "stall/copy_bound": ratio(med["stall"], med["copy_bound"]),
+        "stall/dcp_sync": ratio(med["stall"], med["dcp_sync"]),
         "memory_save/copy_bound": ratio(med.get("memory_save"), med["copy_bound"]),
         "load/memory_load": ratio(med["load"], med.get("memory_load")),
         "load/memory_load_sampled": ratio(med["load"], med.get("memory_load_sampled")),
