@@ -1,1 +1,1 @@
-"""The save-interval plan: its formulas (the one source), its report and plot (the `plan` command: tools/plan.py)."""
+"""The save-interval plan: its inputs, its formulas (the one source), its report and plot (the `plan` command: tools/plan.py)."""

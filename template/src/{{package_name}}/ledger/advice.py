@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from .. import PACKAGE
 from ..checkpoint.store.storage import Storage, open_storage
 from ..config import Config
-from ..interval.formulas import Inputs, MetricsError, read_metrics, recommended_interval_steps
-from ..interval.inputs import configured_inputs
+from ..interval.formulas import recommended_interval_steps
+from ..interval.inputs import Inputs, MetricsError, configured_inputs, read_metrics
 from ..runtime.metrics import read_events
 from .accounts import Ledger, account
 from .history import read_history

@@ -51,7 +51,8 @@ from typing import Any
 
 from .. import PACKAGE
 from ..config import ConfigError, load_config
-from ..interval.formulas import Inputs, MetricsError, read_metrics, recommended_interval_steps
+from ..interval.formulas import recommended_interval_steps
+from ..interval.inputs import Inputs, MetricsError, read_metrics
 from ..runtime import exit_codes
 from ..runtime.output_dirs import make_output_dir
 from .soak_run import FAULT_KINDS, Fault, SoakRunError, run_with_faults, start_job, wait_job

@@ -21,16 +21,15 @@ from pathlib import Path
 from .. import PACKAGE
 from ..checkpoint.store.storage import open_storage
 from ..config import DEFAULT_CONFIG, Config, ConfigError, load_config
-from ..interval.formulas import (
+from ..interval.formulas import badput, make_plan, make_two_tier
+from ..interval.inputs import (
+    FLAGS,
     Inputs,
     MetricsError,
     PlanInputError,
-    badput,
-    make_plan,
-    make_two_tier,
+    configured_inputs,
     read_metrics,
 )
-from ..interval.inputs import FLAGS, configured_inputs
 from ..interval.plot import PLOT_SUFFIXES, PlotUnavailable, plot_badput
 from ..interval.report import (
     checklist_language,
