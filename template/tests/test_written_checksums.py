@@ -64,7 +64,8 @@ def test_the_recorded_checksums_equal_a_read_of_the_files(storage, ckpt, monkeyp
     assert len(record["files"]["__0_0.distcp"]["crc32"]) > 10
     committed = layout.commit(storage, 3, {"world_size": 1})
     assert committed.record["checksum"] == {"algorithm": "crc32", "block_bytes": 1000}
-    for name, entry in committed.record["files"].items():   # the record's own too
+    assert sorted(storage.list_files(committed.name)) == sorted([*record["files"], "commit.json"])
+    for name, entry in committed.record["files"].items():
         with storage.open_read(f"{committed.name}/{name}") as handle:
             data = handle.read()
         assert entry == {"size": len(data), "crc32": block_crcs(data, 1000)}, name

@@ -4,8 +4,8 @@ Each rank's writer (in DCP's checkpoint process, in process mode) passes every f
 writes through a stream that computes the per-block CRC-32 of ``integrity`` on the way
 out; the values travel to the coordinator with the rank's write results, and the
 coordinator's writer records them all, its ``.metadata`` included, in
-``integrity.RECORD_FILE`` beside the shards. The commit reads that one small file and
-never a shard (``integrity.recorded_entries``). The shards and ``.metadata`` stay DCP's
+``integrity.RECORD_FILE`` beside the shards. The commit reads that one small file, never
+a shard, and removes it (``integrity.recorded_entries``). The shards and ``.metadata`` stay DCP's
 own: any DCP reader reads them. Design and figures: docs/PERFORMANCE.md.
 """
 
@@ -16,7 +16,6 @@ import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from io import UnsupportedOperation
 from typing import Any
 
 import torch
@@ -176,15 +175,12 @@ class ChecksummingWriterMixin:
         data = json.dumps({"algorithm": integrity.ALGORITHM,
                            "block_bytes": self.fs.block_bytes,
                            "files": dict(sorted(entries.items()))}).encode()
-        path = self.fs.concat_path(self.path, integrity.RECORD_FILE)
-        with self.fs.create_stream(path, "wb") as stream:
+        # Not synced: the commit that follows in this run reads it, copies it into
+        # commit.json and removes it; a crash before then leaves the save uncommitted.
+        with self.fs.create_stream(self.fs.concat_path(self.path, integrity.RECORD_FILE),
+                                   "wb") as stream:
             stream.write(data)
-            if self.sync_files:
-                try:
-                    os.fsync(stream.fileno())
-                except (AttributeError, UnsupportedOperation):
-                    pass   # an object store: the object is durable once closed
-        self.fs.take()   # the record's own checksum is computed by the commit that reads it
+        self.fs.take()
 
 
 class LocalWriter(ChecksummingWriterMixin, FileSystemWriter):

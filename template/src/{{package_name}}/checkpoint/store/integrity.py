@@ -81,8 +81,9 @@ class BlockCrcs:
 
 
 def recorded_entries(storage: Storage, work: str, files: dict[str, int]) -> tuple[dict, int]:
-    """commit.json's ``files`` for the save in ``work`` (``files``: every file there, with
-    its size on storage) and the block size, from the checksums its writers recorded.
+    """commit.json's ``files`` for the save in ``work`` (``files``: every file there but
+    RECORD_FILE, with its size on storage) and the block size, from the checksums its
+    writers recorded.
 
     Reads ``RECORD_FILE`` and nothing else. Raises RuntimeError, naming the file, when a
     recorded file is not visible here, a file has another size than was written, or was
@@ -114,9 +115,6 @@ def recorded_entries(storage: Storage, work: str, files: dict[str, int]) -> tupl
             raise RuntimeError(f"{where}: {name} is {size:,} bytes on storage, "
                                f"{entries[name].get('size')} were written")
         listed[name] = entries[name]
-    own = BlockCrcs(block)
-    own.update(memoryview(data))
-    listed[RECORD_FILE] = own.entry()
     return listed, block
 
 

@@ -114,6 +114,7 @@ def commit(storage: Storage, step: int, record: dict[str, Any],
             "checkpoint.dir must be storage that all ranks share")
     files.pop(COMMIT_FILE, None)
     entries, block = integrity.recorded_entries(storage, work, files)
+    storage.remove_file(f"{work}/{integrity.RECORD_FILE}")   # all in commit.json now
     record = {**record, "step": step, "format_version": FORMAT_VERSION, "files": entries,
               **integrity.record_fields(block)}
     storage.write_text_durable(f"{work}/{COMMIT_FILE}", json.dumps(record, indent=1) + "\n")
