@@ -1,7 +1,8 @@
 """What the interruption drill measured, and the verdict: report.json, report.md, loss.png.
 
 Everything here is read back from the runs' ``metrics.jsonl`` files, so the comparison
-does not depend on how the runs were started.
+does not depend on how the runs were started. docs/RESUMING.md, "Reading the report",
+says what each field means.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 import shlex
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,8 +123,10 @@ def _span(steps: list[int]) -> str:
 
 
 # ---------------------------------------------------------------- the report --
-def build(drill, kill: dict[str, Any]) -> dict[str, Any]:
-    """Compare the runs of a finished drill and write report.json, report.md and loss.png."""
+def build(drill, kill: dict[str, Any],
+          facts: Callable[[dict[str, str], dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Compare the runs of a finished drill and write report.json, report.md and loss.png;
+    ``facts`` adds to report.md's table (a node loss: drill_nodes.markdown_facts)."""
     reference_runs = split_runs(drill.out / "reference" / "logs")
     runs = split_runs(drill.out / "interrupted" / "logs")
     if len(reference_runs) != 1 or len(runs) != 2:
@@ -169,7 +173,7 @@ def build(drill, kill: dict[str, Any]) -> dict[str, Any]:
         "processes_killed": kill["processes_killed"],
         "save_nodes": drill.save_nodes,
         "kill": drill.kill,
-        "node_loss": _node_loss(loss),
+        "node_loss": loss,
         "global_batch_size": drill.cfg.train.global_batch_size,
         "saved_grad_accum_steps": before.start.get("grad_accum_steps"),
         "resume_grad_accum_steps": after.start.get("grad_accum_steps"),
@@ -190,21 +194,8 @@ def build(drill, kill: dict[str, Any]) -> dict[str, Any]:
         "commands": _shell_commands(drill),
     }
     report["plot"] = plot(drill.out / "loss.png", reference, before, after, report)
-    write_report(drill.out, report, render_markdown(report))
+    write_report(drill.out, report, render_markdown(report, facts))
     return report
-
-
-def _node_loss(loss: dict[str, Any] | None) -> dict[str, Any] | None:
-    """What the surviving nodes did after ``--kill node`` (None after ``--kill job``)."""
-    if loss is None:
-        return None
-    seconds = [end["seconds"] for end in loss["survivors"].values()]
-    return {"lost_node": loss["lost_node"], "rendezvous_host": loss["rendezvous_host"],
-            "lost_ranks": loss["lost_ranks"],
-            "survivors": {str(node): end for node, end in sorted(loss["survivors"].items())},
-            "loss_to_exit_s": max(seconds) if seconds else None, "bound_s": loss["bound_s"],
-            "left_running": loss["left_running"], "lease_after": loss["lease_after"],
-            "problems": loss["problems"]}
 
 
 def failure(drill, error: str) -> dict[str, Any]:
@@ -232,18 +223,14 @@ def num(value: float | None, spec: str = ".3g") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def render_markdown(r: dict[str, Any]) -> str:
+def render_markdown(r: dict[str, Any],
+                    more: Callable[[dict[str, str], dict[str, Any]], None] | None = None) -> str:
     same = r["save_world_size"] == r["resume_world_size"]
     criterion = ("bit-identical losses and grad norms (same world size)" if same else
                  f"relative loss difference below {RESHARD_REL_TOL:g} (another world size)")
-    loss = r.get("node_loss")
     facts = {
         "killed (SIGKILL)": f"at step {r['interrupted_at_step']}, {r['processes_killed']} "
-                            "processes: torchrun, workers, checkpoint writers"
-                            + (f" of node {loss['lost_node']} of {r['save_nodes']} ("
-                               + ("the rendezvous host, " if loss["rendezvous_host"] else "")
-                               + f"rank {', '.join(map(str, loss['lost_ranks']))})"
-                               if loss else ""),
+                            "processes: torchrun, workers, checkpoint writers",
         "resumed from": f"the checkpoint of step {r['resumed_from_step']} "
                         f"(steps redone: {r['steps_redone']})",
         "gradient accumulation": f"{r['saved_grad_accum_steps']} on {r['save_world_size']} "
@@ -261,12 +248,8 @@ def render_markdown(r: dict[str, Any]) -> str:
         "before the kill": f"max loss difference {num(r['before_kill_max_abs_loss_diff'])} "
                            "against the reference (0: this machine is deterministic)",
     }
-    if loss:
-        ends = ", ".join(f"node {node} exited {end['status']} after {end['seconds']:.1f} s"
-                         for node, end in loss["survivors"].items())
-        facts["the other nodes"] = (f"{ends or 'none exited'} (bound {loss['bound_s']:g} s); "
-                                    f"{len(loss['left_running'])} process(es) left running; "
-                                    f"lease then: {loss['lease_after'] or 'released'}")
+    if more is not None:
+        more(facts, r)
     lines = [f"# Interruption drill: {r['save_world_size']} → {r['resume_world_size']} rank(s)",
              "", f"**{'PASSED' if r['passed'] else 'FAILED'}** — {r['verdict']}.", "",
              f"Criterion: {criterion}.", "", "| | |", "|---|---|"]

@@ -1,0 +1,187 @@
+"""The interruption drill's settings and the runs it starts, shared by its tiers.
+
+``Drill`` (what one drill runs, and the commands it runs), the config every drill run
+gets, and the bounded start, wait and kill of those runs. tools/drill.py (the command
+and the durable drill) and the optional drills (drill_nodes.py, drill_memory.py) build
+on this; the drill itself is described in docs/RESUMING.md, "The interruption drill".
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import PACKAGE
+from ..config import Config, load_config
+from ..launch.torchrun import torchrun_command
+from ..runtime.metrics import Event, EventTail
+from ..runtime.process_tree import kill_tree
+from . import drill_report
+from .drill_report import DrillError
+
+# Small enough that the three runs take about a minute on two CPU cores, for the default
+# task (applied only to keys its model: section has); the user's key=value overrides
+# come after these and win.
+SMALL_MODEL = ("model.d_model=32", "model.n_layers=1")
+# The drill decides these itself; setting them would break the comparison.
+OWNED_KEYS = {"train.max_steps": "--steps", "checkpoint.dir": "--out", "log.dir": "--out"}
+POLL_S = 0.01
+
+
+@dataclass
+class Drill:
+    save_ranks: int
+    resume_ranks: int
+    steps: int
+    interrupt_at: int
+    interval: int
+    out: Path
+    config: str | None
+    overrides: list[str]
+    cfg: Config
+    timeout_s: float
+    save_nodes: int = 1
+    tier: str = "durable"              # durable | memory (the memory tier's drill)
+    kill: str = "job"                  # job | node
+    lost_node: int | str | None = None   # --kill node: which node is lost (an index, "rank0")
+    started: float = field(default_factory=time.monotonic)
+    commands: dict[str, list[str]] = field(default_factory=dict)
+
+    def run_dirs(self, name: str) -> list[str]:
+        base = self.out / name
+        return [*self.overrides, f"train.max_steps={self.steps}",
+                f"checkpoint.dir={base / 'checkpoints'}", f"log.dir={base / 'logs'}"]
+
+    def train_command(self, name: str) -> list[str]:
+        config = ["--config", self.config] if self.config else []
+        return torchrun_command("train", [*config, *self.run_dirs(name)], self.cfg.preemption,
+                                nproc_per_node=self.save_ranks,
+                                max_restarts=self.cfg.recovery.max_restarts,
+                                warm_start=self.cfg.recovery.warm_start)
+
+    def resume_command(self, name: str = "interrupted") -> list[str]:
+        config = ["--config", self.config] if self.config else []
+        return [sys.executable, "-m", f"{PACKAGE}.resume",
+                "--nproc-per-node", str(self.resume_ranks), *config, *self.run_dirs(name)]
+
+    def say(self, message: str) -> None:
+        print(f"[{time.monotonic() - self.started:6.1f} s] {message}", flush=True)
+
+
+# ------------------------------------------------------------------- config --
+def small_model(args: argparse.Namespace) -> list[str]:
+    """The drill's small model, for the keys the task's model: section has."""
+    own = load_config(args.config, args.overrides).model
+    return [item for item in SMALL_MODEL if item.split("=")[0].split(".", 1)[1] in own]
+
+
+def config_path(args: argparse.Namespace) -> str | None:
+    return str(Path(args.config).resolve()) if args.config else None
+
+
+def check_devices(cfg: Config, ranks: int) -> None:
+    import torch
+
+    if torch.cuda.is_available() and cfg.distributed.backend != "gloo":
+        count = torch.cuda.device_count()
+        if ranks > count:
+            raise ValueError(f"{ranks} ranks need {ranks} GPUs, this machine has {count}; "
+                             "use fewer ranks or distributed.backend=gloo to drill on CPU")
+
+
+# --------------------------------------------------------------------- runs --
+def start(command: list[str], log_path: Path) -> subprocess.Popen:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # torchrun gives each worker one OpenMP thread when it starts several, but not when it
+    # starts one; the same setting everywhere keeps the throughput of N and M ranks
+    # comparable (and keeps a one-rank CPU run from oversubscribing the cores).
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with open(log_path, "w", encoding="utf-8") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float, what: str, log_path: Path) -> int:
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.wait()
+        raise DrillError(f"{what} did not finish within {timeout_s:g} s (killed); "
+                         f"see {log_path}") from None
+
+
+def run_to_end(drill: Drill, command: list[str], log_path: Path, what: str) -> None:
+    finish(start(command, log_path), drill.timeout_s, what, log_path)
+
+
+def finish(proc: subprocess.Popen, timeout_s: float, what: str, log_path: Path) -> None:
+    """Wait for a run that must end with exit status 0 (bounded)."""
+    try:
+        code = _wait(proc, timeout_s, what, log_path)
+    except BaseException:
+        if proc.poll() is None:  # Ctrl-C or an error here: leave no training behind
+            kill_tree(proc.pid)
+        raise
+    if code != 0:
+        raise DrillError(f"{what} exited {code}; see {log_path}")
+
+
+def output_logs(base: Path, nodes: int) -> list[Path]:
+    """Where each node's output goes."""
+    return ([base / "output.log"] if nodes == 1 else
+            [base / f"node{node}-output.log" for node in range(nodes)])
+
+
+@contextmanager
+def running(commands: list[list[str]], logs: list[Path]) -> Iterator[list[subprocess.Popen]]:
+    """The runs of ``commands`` (one per node): all killed on an error or Ctrl-C, all
+    waited for on the way out."""
+    procs = [start(command, log) for command, log in zip(commands, logs)]
+    try:
+        yield procs
+    except BaseException:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+        raise
+    finally:
+        for proc in procs:
+            proc.wait()
+
+
+def wait_past(drill: Drill, procs: list[subprocess.Popen], logs: list[Path], tail: EventTail,
+              target: int) -> None:
+    """Wait until the checkpoint of step K has committed and step ``target`` has run."""
+    k = drill.interrupt_at
+    saved = passed = False
+    deadline = time.monotonic() + drill.timeout_s
+    while not (saved and passed):
+        for event in tail.read():
+            saved |= event["event"] == Event.save and event.get("step") == k
+            passed |= event["event"] == Event.step and event.get("step", 0) >= target
+        if saved and passed:
+            break
+        ended = next((p for p in procs if p.poll() is not None), None)
+        if ended is not None:
+            raise DrillError(
+                f"the run ended (exit {ended.returncode}) before the checkpoint of step "
+                f"{k} committed and a later step ran; use more --steps or a smaller "
+                f"--interrupt-at; see {logs[procs.index(ended)]}")
+        if time.monotonic() > deadline:
+            raise DrillError(f"step {k} was not saved and passed within "
+                             f"{drill.timeout_s:g} s; see {logs[0]}")
+        time.sleep(POLL_S)
+
+
+def say_killed(drill: Drill, kill: dict, name: str = "interrupted") -> None:
+    before = drill_report.split_runs(drill.out / name / "logs")[0]
+    drill.say(f"    killed {kill['processes_killed']} processes at step "
+              f"{before.last_step} (checkpoint of step {drill.interrupt_at} committed)")
