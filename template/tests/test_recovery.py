@@ -26,11 +26,9 @@ import pytest
 from conftest import (
     PACKAGE,
     ROOT,
-    cmdline,
     descendants,
     finish,
     project_module,
-    rank_of,
     read_events,
     wait_until,
 )
@@ -76,11 +74,18 @@ def start_resume(root: Path, base: Path, *args: str, env: dict[str, str] | None 
     return proc, log
 
 
-def worker(resume_pid: int, rank: int) -> int:
-    """The pid of the training worker of ``rank`` below ``resume_pid`` (via /proc)."""
-    for pid in descendants(resume_pid):
-        if f"{PACKAGE}.train".encode() in cmdline(pid) and rank_of(pid) == str(rank):
-            return pid
+def worker(resume_pid: int, rank: int, logs: Path) -> int:
+    """The pid of the process that trains ``rank`` below ``resume_pid``: the one its rank
+    record names (forked from the zygote under warm start, torchrun's child when cold)."""
+    below = set(descendants(resume_pid))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for record in exits.read_records(logs):
+            if (record.get("rank") == rank and record.get("state") == "running"
+                    and int(record["pid"]) in below):
+                return int(record["pid"])
+        time.sleep(0.05)
+        below = set(descendants(resume_pid))
     raise AssertionError(f"no worker of rank {rank} below pid {resume_pid}")
 
 
@@ -279,7 +284,7 @@ def test_a_killed_worker_is_restarted_in_place_and_the_run_stays_exact(tmp_path)
     proc, log = start_resume(ROOT, tmp_path / "killed", *steps)
     logs = tmp_path / "killed" / "logs"
     wait_until(lambda: len(read_events(logs, "step")) >= 10, proc, "ten steps", log_file=log)
-    os.kill(worker(proc.pid, rank=1), signal.SIGKILL)
+    os.kill(worker(proc.pid, rank=1, logs=logs), signal.SIGKILL)
     assert finish(proc, 600) == 0, log.read_text()[-3000:]
     reference, got = losses(tmp_path / "reference" / "logs"), losses(logs)
     assert sorted(got) == list(range(1, 25))
@@ -315,7 +320,7 @@ def test_a_stopped_worker_is_found_by_the_watchdog_and_the_job_finishes(tmp_path
                              "checkpoint.wait_timeout_s=5")
     logs = tmp_path / "logs"
     wait_until(lambda: len(read_events(logs, "step")) >= 6, proc, "six steps", log_file=log)
-    stopped = worker(proc.pid, rank=1)
+    stopped = worker(proc.pid, rank=1, logs=logs)
     os.kill(stopped, signal.SIGSTOP)
     stopped_at = time.time()
     try:

@@ -6,7 +6,8 @@ its own imports, the workers' imports, the rendezvous, building the model, loadi
 checkpoint, the first step, steady training, a save in flight. To land inside a phase,
 the workers pause in it: a ``sitecustomize`` of the test's own (on PYTHONPATH, so every
 process of the job imports it; none of the project's code knows of it) wraps
-``runtime.phases.mark`` and, for the workers' imports, the import of ``loop.job``.
+``runtime.phases.mark`` and, for the workers' imports, the import of ``loop.job`` (in the
+zygote under warm start: what its workers wait for).
 """
 
 import os
@@ -35,7 +36,7 @@ PACKAGE = os.environ.get("STOP_TEST_PACKAGE")
 
 
 def pause():
-    if os.environ.get("RANK") == "0":
+    if os.environ.get("RANK", "0") == "0":   # rank 0, or the zygote (RANK not set)
         open(FLAG, "w").close()
     time.sleep(float(os.environ.get("STOP_TEST_PAUSE_S", "6")))
 
@@ -61,7 +62,7 @@ class Finder(importlib.abc.MetaPathFinder):
 
                 def paused(phase, at=None):
                     mark(phase, at)
-                    if phase.value == PAUSE:
+                    if phase.value == PAUSE and "RANK" in os.environ:
                         pause()
                 module.mark = paused
 
@@ -69,7 +70,9 @@ class Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if PAUSE and "RANK" in os.environ:
+# Workers, and the zygote they are forked from under warm start (whose environment has
+# no RANK; it alone imports loop.job there, so "imports" pauses it).
+if PAUSE and ("RANK" in os.environ or "launch.zygote" in " ".join(sys.orig_argv)):
     sys.meta_path.insert(0, Finder())
 '''
 

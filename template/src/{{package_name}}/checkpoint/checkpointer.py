@@ -157,18 +157,17 @@ class Checkpointer:
     def at_step_end(self, step: int, *, last_step: bool = False) -> StepDecision:
         """The step boundary after ``step``: commit what finished, vote, then save, stop
         (saving at the stop if the grace period allows) or go on. The call before the
-        first step only votes; the one after it starts the background checkpoint process
-        (a new Python: off the first step's path). (torchtitan's ``save(step, last_step)``;
-        named for the moment, since it decides more than a save.)"""
+        first step starts the background checkpoint process and only votes. (torchtitan's
+        ``save(step, last_step)``; named for the moment, since it decides more than a save.)"""
         policy = self._saves()
-        trained = step != self._start_step
-        if not self._warm and trained:
+        if not self._warm:
             self._warm = True
             timeout_s = self.cfg.checkpoint.start_timeout_s
             with self._allow(timeout_s) if self._allow else contextlib.nullcontext():
                 policy.warm_up(timeout_s, stage=policy.resumed_from is not None,
                                process_log=os.path.join(self.cfg.log.dir, "checkpoint-process."
                                                         f"rank{self.runtime.rank}.log"))
+        trained = step != self._start_step
         decision = policy.decide(step, self.boundary, trained=trained, last_step=last_step)
         if (self.memory is not None and trained and not decision.stop and not last_step
                 and self.memory.due(step) and self._training is not None):

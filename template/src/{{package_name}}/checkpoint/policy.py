@@ -120,7 +120,7 @@ class SavePolicy:
         return step == self.final_step or step % self.interval_steps == 0
 
     def warm_up(self, timeout_s: float, *, stage: bool, process_log: str | None = None) -> None:
-        """Start the background checkpoint process after the first step (all ranks);
+        """Start the background checkpoint process before the first step (all ranks);
         ``wait_ready`` waits for it before the first save, so the first steps train while
         it starts.
 

@@ -20,6 +20,7 @@ import sys
 import time
 
 from .. import PACKAGE
+from ..runtime.lifeline import TORCHRUN_ENV
 
 ZYGOTE_ENV = f"{PACKAGE.upper()}_ZYGOTE"   # the zygote's socket, set by the agent
 FORK_WAIT_S = 60.0      # the zygote (still importing, perhaps) forks within this, or: cold
@@ -49,8 +50,8 @@ def _ask(path: str) -> socket.socket:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(FORK_WAIT_S)
     conn.connect(path)
-    request = json.dumps({"argv": sys.argv, "env": dict(os.environ),
-                          "cwd": os.getcwd()}).encode()
+    env = {**os.environ, TORCHRUN_ENV: str(os.getppid())}   # whom to ask to stop
+    request = json.dumps({"argv": sys.argv, "env": env, "cwd": os.getcwd()}).encode()
     socket.send_fds(conn, [b"F"], [0, 1, 2])
     conn.sendall(len(request).to_bytes(4, "big") + request)
     return conn

@@ -66,14 +66,14 @@ def fork_hazard(baseline_threads: int) -> str | None:
 
     import torch
 
+    if torch.cuda.is_initialized():
+        return "CUDA was initialised at import (a forked child could not use it)"
     if threading.active_count() > 1:
         names = ", ".join(t.name for t in threading.enumerate()
                           if t is not threading.main_thread())
         return f"a Python thread was started at import ({names})"
     if _threads() > baseline_threads:
         return (f"{_threads() - baseline_threads} native thread(s) were started at import")
-    if torch.cuda.is_initialized():
-        return "CUDA was initialised at import (a forked child could not use it)"
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return "a process group exists"
     return None

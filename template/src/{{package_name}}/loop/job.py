@@ -189,10 +189,10 @@ def _no_restart_in_place(code: int, stop: StopCoordinator, runtime: Runtime,
     if request is not None and request.source.startswith("SIG"):
         return
     print(f"exit status {code} was decided by training, not a failure: asking torchrun "
-          f"(pid {launcher}) to stop instead of restarting the workers in place "
+          f"(pid {stop.torchrun_pid}) to stop instead of restarting the workers in place "
           "(under plain torchrun, its SignalException below is that)", file=sys.stderr,
           flush=True)
-    os.kill(launcher, signal.SIGTERM)
+    os.kill(stop.torchrun_pid, signal.SIGTERM)
 
 
 def _guard_progress(cfg: Config, checkpointer: Checkpointer, attempt: Attempt,

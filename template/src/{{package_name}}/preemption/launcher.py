@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..runtime.lifeline import say_if_heard
+from ..runtime.lifeline import TORCHRUN_ENV, say_if_heard
 from .watch import PreemptionWatch
 
 POLL_S = 0.25         # how often the parent is looked at
@@ -39,8 +39,17 @@ SOURCE = "launcher-gone"
 
 
 def launcher_pid() -> int | None:
-    """The launcher (torchrun) that must outlive this worker, or None outside torchrun."""
+    """The parent that must outlive this worker (torchrun, or the zygote a warm-started
+    worker was forked from: launch/zygote.py), or None outside torchrun."""
     return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+def torchrun_pid() -> int | None:
+    """torchrun's agent: the parent, or a forked worker's stand-in's parent."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    handed = os.environ.get(TORCHRUN_ENV, "")
+    return int(handed) if handed.isdigit() else os.getppid()
 
 
 def describe(pid: int) -> str:

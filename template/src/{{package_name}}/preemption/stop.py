@@ -36,6 +36,7 @@ class StopCoordinator:
         self.grace_period_s = grace_period_s
         # Under torchrun the parent is the launcher; it must outlive its workers.
         self.launcher_pid = launcher.launcher_pid()
+        self.torchrun_pid = launcher.torchrun_pid()
 
     @property
     def requested(self) -> bool:

@@ -35,6 +35,7 @@ from .. import PACKAGE
 from .process_tree import alive, prctl
 
 PARENT_ENV = f"{PACKAGE.upper()}_WORKER_PID"   # the worker's pid, as its children inherit it
+TORCHRUN_ENV = f"{PACKAGE.upper()}_TORCHRUN_PID"   # a forked worker's torchrun (launch/warm.py)
 POLL_S = 0.25
 PR_SET_PDEATHSIG = 1   # linux/prctl.h
 EXIT_STATUS = 1
