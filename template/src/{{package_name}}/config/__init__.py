@@ -1,14 +1,15 @@
-"""The run's configuration: configs/train.yaml checked against typed sections (schema.py)."""
+"""The run's configuration: configs/train.yaml (loading.py) checked against typed sections
+(schema.py) and the bounds declared beside their fields (checks.py)."""
 
+from .checks import ConfigError, require
 from .context import TaskContext
+from .loading import DEFAULT_CONFIG, load_config, task_section, task_section_of_kind, to_plain_dict
 from .schema import (
-    DEFAULT_CONFIG,
     OBJECT_STORE_SCHEMES,
     TASK_SECTIONS,
     AsyncMode,
     CheckpointConfig,
     Config,
-    ConfigError,
     DistributedConfig,
     EvalConfig,
     LoaderConfig,
@@ -22,11 +23,6 @@ from .schema import (
     RecoveryConfig,
     TrainConfig,
     VerifyMode,
-    load_config,
-    require,
-    task_section,
-    task_section_of_kind,
-    to_plain_dict,
 )
 
 __all__ = [
