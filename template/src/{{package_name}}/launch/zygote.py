@@ -11,6 +11,7 @@ docs/RECOVERY.md ("Warm start").
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import selectors
@@ -141,6 +142,7 @@ class Zygote:
             return
         sys.stdout.flush()
         sys.stderr.flush()
+        gc.freeze()   # the child's collections leave the shared objects' pages alone
         pid = os.fork()
         if pid == 0:
             self._become_worker(conn, request, fds)   # never returns
@@ -193,6 +195,7 @@ class Zygote:
         """In the forked child: become the worker ``request`` describes, run it, exit."""
         code = 1
         try:
+            gc.enable()
             os.setsid()   # its own process group, as torchrun starts workers
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -334,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     # its workers would not yet see it gone.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     listener = socket.socket(fileno=args.fd)
+    gc.disable()   # no freed holes in the pages a fork shares (Python's gc docs)
     began = time.monotonic()
     try:
         baseline = preload()
