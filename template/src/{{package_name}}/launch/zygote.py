@@ -22,6 +22,7 @@ import time
 
 from .. import PACKAGE
 from ..runtime.lifeline import die_with_parent, say_if_heard
+from ..runtime.process_tree import alive
 
 READY_PREFIX = "warm start:"
 FORK, WATCH = b"F", b"W"   # a request's first byte: fork a worker; end with this process
@@ -157,7 +158,7 @@ class Zygote:
         try:
             self.selector.register(os.pidfd_open(pid), selectors.EVENT_READ, "watched")
         except (OSError, AttributeError):
-            if not _alive(pid):
+            if not alive(pid):
                 os._exit(0)
 
     def _reap(self) -> None:
@@ -217,16 +218,6 @@ class Zygote:
             traceback.print_exc()
         finally:
             os._exit(code)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def _receive(conn: socket.socket) -> tuple[bytes, dict, list[int]]:
