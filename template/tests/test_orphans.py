@@ -32,8 +32,6 @@ from conftest import (
     wait_until,
 )
 
-pytestmark = pytest.mark.slow
-
 GRACE_S = 12.0
 overrides = overrides_for("model.d_model=32", "model.n_layers=1", "train.max_steps=100000",
                           "checkpoint.interval_steps=5", f"preemption.grace_period_s={GRACE_S}")
@@ -57,6 +55,7 @@ def committed(ckpt_dir: str) -> list[int]:
                                                         warn=False)]
 
 
+@pytest.mark.slow
 def test_sigusr1_to_plain_torchrun_stops_its_workers_with_a_final_save(run_dirs, tmp_path):
     log = tmp_path / "job.log"
     with open(log, "w", encoding="utf-8") as out:
@@ -74,6 +73,7 @@ def test_sigusr1_to_plain_torchrun_stops_its_workers_with_a_final_save(run_dirs,
     assert "Traceback" not in log.read_text().split("stop requested", 1)[-1]
 
 
+@pytest.mark.slow
 def test_a_worker_that_cannot_reach_a_step_boundary_ends_itself_in_the_grace(run_dirs):
     """Its output pipe is full and nobody reads it: the main thread blocks in a write and
     never reaches the next vote. The launcher watch ends it, children first."""
@@ -114,6 +114,31 @@ def test_a_worker_that_cannot_reach_a_step_boundary_ends_itself_in_the_grace(run
                             f"checkpoint.dir={run_dirs['ckpt']}"], cwd=ROOT, env=suite_env(),
                            capture_output=True, text=True, timeout=120, check=False)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+ARMED = """
+import os, sys, time
+from {package}.preemption.launcher import LauncherWatch
+from {package}.preemption.watch import PreemptionWatch
+watch = PreemptionWatch(signals=())
+guard = LauncherWatch(watch, os.getpid(), grace_s=0.0, status=lambda: 3, poll_s=0.01).start()
+while watch.requested is None:      # never this process's parent: seen gone at once
+    time.sleep(0.01)
+guard.stop()                        # the main thread ends on its own from here...
+time.sleep(60)                      # ...and blocks on its way out (a full output pipe)
+"""
+
+
+def test_a_hard_end_once_armed_outlasts_the_end_of_training():
+    """Seen in CI: the launcher gone, one rank ended by its watch; the other's collective
+    failed, its ``finally`` stopped its watch, and its traceback blocked on the full pipe
+    for good. A stop after the launcher was seen gone keeps the hard end."""
+    began = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", ARMED.format(package=PACKAGE)], cwd=ROOT,
+                          env=suite_env(), capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 3, proc.stderr
+    assert time.monotonic() - began < 20
+    assert "is gone and this worker did not end within 3 s" in proc.stderr
 
 
 def _stalled(logs: Path, before: int) -> bool:

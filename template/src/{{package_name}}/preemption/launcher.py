@@ -75,7 +75,9 @@ class LauncherWatch:
         return self
 
     def stop(self) -> None:
-        """The process is ending on its own: no hard end any more."""
+        """The process is ending on its own: no more looking at the launcher. A hard end
+        already armed (the launcher seen gone) stays armed: the exit itself can block, a
+        traceback written to an output pipe nobody reads any more."""
         self._done.set()
 
     def _run(self) -> None:
@@ -85,8 +87,7 @@ class LauncherWatch:
         else:
             return
         self.watch.request(SOURCE, describe(self.pid))
-        if self._done.wait(self.deadline_s):
-            return  # ended in time
+        time.sleep(self.deadline_s)   # a process that ends in time takes this thread along
         end_now(self.status(), f"the launcher (pid {self.pid}) is gone and this worker did "
                                f"not end within {self.deadline_s:g} s: ending it now; the "
                                "newest committed checkpoint is the one to resume from")
