@@ -131,7 +131,8 @@ def test_dataloader_workers_start_as_configured(tmp_path, one_rank_group):
         trainer = trainer_mod.Trainer(cfg, task, one_rank_group,
                                       _no_checkpoints(), project_module("runtime.metrics")
                                       .MetricsLog(None))
-        assert trainer._start_method() == ("forkserver" if method == "forkserver" else "fork")
+        assert project_module("loop.loader").start_method(method, torch.device("cpu")) == (
+            "forkserver" if method == "forkserver" else "fork")
         source = trainer.micro_batches()
         batches[method] = [next(source) for _ in range(3)]
         del source

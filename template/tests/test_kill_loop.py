@@ -47,6 +47,7 @@ def test_a_hundred_sigkills_lose_nothing_and_tear_nothing(tmp_path):
     storage = project_module("checkpoint").open_storage(str(ckpt))
     layout = project_module("checkpoint.store.layout")
     memory = project_module("checkpoint.memory.copies") if MEMORY else None
+    reading = project_module("checkpoint.memory.reading") if MEMORY else None
     copies = memory.run_folder("/dev/shm", str(ckpt)) if MEMORY else None
     torn_copies = 0
     rng = random.Random(20261130)
@@ -69,7 +70,7 @@ def test_a_hundred_sigkills_lose_nothing_and_tear_nothing(tmp_path):
             torn += verdict.failed
         for copy in memory.inventory(copies, 1).values() if MEMORY else ():
             try:
-                memory.Opened(copy).close()
+                reading.Opened(copy).close()
             except (OSError, memory.MemoryCopyError):
                 torn_copies += 1
         if steps and steps[-1] < newest:

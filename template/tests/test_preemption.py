@@ -156,8 +156,8 @@ def test_drain_gives_up_at_the_deadline_and_never_commits_what_it_gave_up(tmp_pa
                                                is_coordinator=True, device=torch.device("cpu"))
     pipeline.prepare()
     never: Future = Future()  # a background write that does not finish in time
-    pipeline._inflight = pipeline_module._InFlight(7, "interval", {}, time.perf_counter(), 0.0,
-                                                 never, None)
+    pipeline._inflight = project_module("checkpoint.save.commit").InFlight(
+        7, "interval", {}, time.perf_counter(), 0.0, never, None)
     began = time.monotonic()
     with pytest.raises(TimeoutError, match="step 7"):
         pipeline.wait(timeout=0.2)

@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from conftest import moto_s3, project_module, run_module
 
+errors_mod = project_module("checkpoint.store.errors")
+
 # Every test here touches an API that differs between torch releases (make test-torch).
 pytestmark = pytest.mark.torch_api
 
@@ -111,13 +113,13 @@ def test_too_little_space_for_the_checkpoints_to_keep_is_refused(tmp_path, tmpfs
     free = storage.free_bytes()
     assert one * 3 > free > one                               # room for one more, not three
     # keep_last=3: three kept plus one being written; one is there already.
-    with pytest.raises(storage_mod.StorageError) as refused:
+    with pytest.raises(errors_mod.StorageError) as refused:
         layout.check_storage(storage, keep_last=3)
-    needed = storage_mod.human_bytes(one * 3)
+    needed = errors_mod.human_bytes(one * 3)
     assert str(refused.value) == (
         f"checkpoint.dir={root} has not enough free space: {needed} needed (checkpoint.keep_last"
-        f"=3 + 1 checkpoints of {storage_mod.human_bytes(one)} each, less "
-        f"{storage_mod.human_bytes(one)} held already), {storage_mod.human_bytes(free)} free")
+        f"=3 + 1 checkpoints of {errors_mod.human_bytes(one)} each, less "
+        f"{errors_mod.human_bytes(one)} held already), {errors_mod.human_bytes(free)} free")
     layout.check_storage(storage, keep_last=1)   # fits: no error
     if mount is not None:  # and train itself exits 2 with that sentence
         error = refused_at_start(str(root), tmp_path, "checkpoint.keep_last=3")
@@ -147,12 +149,11 @@ class FailingWriter(FileSystemWriter):
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES, errno.EROFS])
-def test_a_failed_save_is_one_sentence_with_path_and_errno(tmp_path, ckpt, code):
-    _, storage_mod = ckpt
+def test_a_failed_save_is_one_sentence_with_path_and_errno(tmp_path, code):
     path = str(tmp_path / "step_000000004.tmp")
     with pytest.raises(CheckpointException) as failed:
         dcp.save({"w": torch.ones(8)}, storage_writer=FailingWriter(path, code), no_dist=True)
-    text = storage_mod.describe_save_error(failed.value, path)
+    text = errors_mod.describe_save_error(failed.value, path)
     name = errno.errorcode[code]
     assert text == (f"checkpoint save to {path} failed (rank 0): "
                     f"{os.strerror(code).lower()} ({name})")
@@ -160,14 +161,12 @@ def test_a_failed_save_is_one_sentence_with_path_and_errno(tmp_path, ckpt, code)
 
 def test_a_failed_save_that_is_not_an_os_error_names_the_exception():
     """A KeyError's text alone is a bare key (torch 2.11's stager: ``<class 'type'>``)."""
-    storage_mod = project_module("checkpoint.store.storage")
     relayed = CheckpointException("write", {0: (KeyError(type), None)})
-    assert storage_mod.describe_save_error(relayed, "s3://b/x") == \
+    assert errors_mod.describe_save_error(relayed, "s3://b/x") == \
         "checkpoint save to s3://b/x failed (rank 0): KeyError: <class 'type'>"
 
 
-def test_a_full_disk_during_a_save_is_named(tmp_path, tmpfs, ckpt, monkeypatch):
-    _, storage_mod = ckpt
+def test_a_full_disk_during_a_save_is_named(tmp_path, tmpfs, monkeypatch):
     mount = tmpfs("full", size="1m")
     if mount is None:
         pytest.skip("needs a tmpfs (root with mount rights); "
@@ -177,13 +176,13 @@ def test_a_full_disk_during_a_save_is_named(tmp_path, tmpfs, ckpt, monkeypatch):
         dcp.save({"w": torch.ones(1 << 19)}, storage_writer=FileSystemWriter(path),
                  no_dist=True)
     assert "unexpected pos" in str(failed.value)          # what DCP itself says
-    text = storage_mod.describe_save_error(failed.value, path)
+    text = errors_mod.describe_save_error(failed.value, path)
     assert text == f"checkpoint save to {path} failed (rank 0): no space left on device (ENOSPC)"
     # From another rank or the checkpoint process the OSError behind it is lost in
     # transit; the free space left on the disk still tells.
     relayed = CheckpointException("write", {1: (RuntimeError(
         "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), None)})
-    text = storage_mod.describe_save_error(relayed, path)
+    text = errors_mod.describe_save_error(relayed, path)
     assert text.startswith(f"checkpoint save to {path} failed (rank 1): [enforce fail at "
                            "inline_container.cc:672] . unexpected pos 704 vs 598 (a write "
                            "came up short); the filesystem has ")
@@ -209,7 +208,7 @@ def test_object_store_probe_writes_and_names_a_missing_bucket(s3_server, ckpt):
     storage_mod.probe(good)
     assert fsspec.filesystem("s3", skip_instance_cache=True).ls(
         "probe-bucket", refresh=True) == []                      # the probe object is gone
-    with pytest.raises(storage_mod.StorageError) as refused:
+    with pytest.raises(errors_mod.StorageError) as refused:
         storage_mod.probe(storage_mod.FsspecStorage("s3://no-such-bucket/run"))
     assert str(refused.value).startswith(
         "checkpoint.dir=s3://no-such-bucket/run is not usable: cannot write an object to it: "

@@ -215,7 +215,7 @@ def test_tiny_model_takes_the_datas_vocabulary(tmp_path):
 def test_a_read_that_fails_before_its_dead_worker_is_reaped_names_the_worker(monkeypatch):
     # The race the test below can meet: the worker is killed while handing over a batch,
     # and the read fails (the descriptor it passed is gone) before the worker is reaped.
-    trainer = project_module("loop.trainer")
+    loader = project_module("loop.loader")
     worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0.3,))
     worker.start()
 
@@ -228,14 +228,14 @@ def test_a_read_that_fails_before_its_dead_worker_is_reaped_names_the_worker(mon
 
     with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pid\(s\) {worker.pid}\) "
                                            "exited unexpectedly"):
-        next(trainer._naming_dead_workers(FailingRead([worker])))
+        next(loader.naming_dead_workers(FailingRead([worker])))
     # A failed read while every worker lives is passed on as it is, after a bounded wait.
-    monkeypatch.setattr(trainer, "WORKER_EXIT_WAIT_S", 0.2)
+    monkeypatch.setattr(loader, "WORKER_EXIT_WAIT_S", 0.2)
     alive = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
     alive.start()
     try:
         with pytest.raises(ConnectionResetError):
-            next(trainer._naming_dead_workers(FailingRead([alive])))
+            next(loader.naming_dead_workers(FailingRead([alive])))
     finally:
         alive.kill()
         alive.join()

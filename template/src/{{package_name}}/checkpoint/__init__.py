@@ -24,7 +24,7 @@ _WHERE = {
     "CheckpointUnusable": ".load.restore",
     "IncompatibleCheckpoint": ".load.restore",
     "SavePipeline": ".save.pipeline",
-    "SaveResult": ".save.pipeline",
+    "SaveResult": ".save.commit",
     "Committed": ".store.layout",
     "list_committed": ".store.layout",
     "newest_complete_checkpoint": ".store.layout",

@@ -30,12 +30,14 @@ from ..config import Config, OnSaveError
 from ..runtime import exit_codes
 from ..runtime.distributed import Runtime, decide_on_rank0
 from ..runtime.metrics import MetricsLog
+from .final_save import StepBoundary
 from .load.restore import TrainingState, choose_and_load
-from .policy import SavePolicy, StepBoundary, StepDecision
+from .policy import SavePolicy, StepDecision
 from .save.pipeline import SavePipeline
+from .store.errors import StorageError, StorageUnavailable
 from .store.layout import BestRule, Committed, check_storage, newest_complete_checkpoint
 from .store.lease import Lease, LeaseHeld
-from .store.storage import Storage, StorageError, StorageUnavailable, open_storage
+from .store.storage import Storage, open_storage
 
 if TYPE_CHECKING:   # the memory tier is rendered on request (copier answer memory_tier)
     from .memory.tier import MemoryTier

@@ -1,28 +1,14 @@
-"""The save decisions: when to save, one save at a time, preemption, failing saves.
+"""The save decisions: when to save, one save at a time, failing saves.
 
 The checkpointer asks once per step boundary, ``decide(step, boundary)``, and gets a
-``StepDecision``. A save is due every ``checkpoint.interval_steps`` steps and at the
-last step. Before a due save starts, the previous one is finished (the staging buffers
-are reused), unless a stop is requested meanwhile; then all ranks vote at the step
-boundary, so that no save starts after a stop request and every rank decides alike.
-A stop is one more reason to save (as in Orbax's preemption policy): the save in
-flight is drained and a final checkpoint written at this step if the grace period
-allows (``stop``), and the decision says stop.
-
-Every wait is bounded and shared: the ranks wait for a save in flight together, and give
-it up together when it fails on any rank or outlasts ``checkpoint.wait_timeout_s``. A
-due save does not wait for a predecessor that is overdue (in flight longer than both
-``OVERDUE_MIN_S`` and ``OVERDUE_FACTOR`` times the newest write: storage slow or away,
-an object store's client retrying): it is left to the next due step and training goes
-on, so an outage of the storage costs checkpoints, not steps.
-After a background save has failed on any rank (e.g. DCP's checkpoint process died: it
-is never restarted), every later save is written synchronously: slower, but checkpoints
-keep coming. Saves failing ``checkpoint.max_failed_saves`` times in a row, with none
-committed for ``checkpoint.max_failed_saves_s`` (once, with ``checkpoint.on_error: stop``:
-``failed_saves.py``), stop training with exit status 73: its state is not saved.
-
-(A few lines over 400: the waits for the checkpoint process's start, the save in flight
-and the stop share the bounds and the agreement across ranks kept here.)
+``StepDecision``: a save is due every ``checkpoint.interval_steps`` steps and at the last
+step; the previous save finishes first (its staging buffers are reused); all ranks vote,
+so that every rank decides alike and no save starts after a stop request (the stop and
+its final save: ``final_save.py``). Every wait is bounded and shared by the ranks; a due
+save does not wait for an overdue predecessor (``OVERDUE_MIN_S``, ``OVERDUE_FACTOR``);
+after a failed background save every later save is synchronous; failing saves stop
+training with exit status 73 (``failed_saves.py``). The why and the figures:
+docs/PREEMPTION.md ("Bounded waits") and docs/RECOVERY.md.
 """
 
 from __future__ import annotations
@@ -32,16 +18,17 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..preemption.stop import Vote
-from ..runtime.distributed import any_rank, decide_on_rank0
+from ..runtime.distributed import any_rank
 from ..runtime.metrics import Event, MetricsLog
 from ..runtime.phases import Phase
+from . import final_save
 from .failed_saves import FailedSaves
+from .final_save import StepBoundary
 from .save.pipeline import SavePipeline, SaveResult
 from .store.layout import Committed
 
@@ -64,30 +51,6 @@ class StepDecision:
     why: str = ""         # "interval", "final", "preempted", "interrupted", "not_saved"
     detail: str = ""      # for "not_saved": why the state is not being saved
     newest: str = ""      # the newest checkpoint, in words (for the progress line)
-
-
-class StepBoundary(Protocol):
-    """The stop protocol as the save policy sees it (preemption.stop.StopCoordinator)."""
-
-    grace_period_s: float
-
-    @property
-    def requested(self) -> bool: ...
-
-    def vote(self, failed_saves: int = 0) -> Vote: ...
-
-    def agreed_source(self, step: int) -> tuple[str, int, str, list[int]]: ...
-
-    @property
-    def signals_received(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class Stopped:
-    step: int
-    final_step: int | None       # the checkpoint committed at the stop, if any
-    resume_step: int | None      # where a restart resumes
-    by_user: bool = False        # Ctrl-C, not a preemption
 
 
 class SavePolicy:
@@ -190,7 +153,7 @@ class SavePolicy:
                 self.wait_ready(step)
         if vote.stop_at is not None:   # preemption: one more reason to save, now
             with self.allowance(True):
-                stopped = self.stop(step, vote.stop_at, boundary)
+                stopped = final_save.stop(self, step, vote.stop_at, boundary)
             return StepDecision(saved=stopped.final_step is not None, stop=True,
                                 why="interrupted" if stopped.by_user else "preempted")
         if deferred:
@@ -344,94 +307,6 @@ class SavePolicy:
             record = self.resumed_from.record
             return float(record.get("write_s", record.get("commit_latency_s", 0.0)))
         return 0.0
-
-    # ------------------------------------------------------------ the stop --
-    def _skip_reason(self, step: int, deadline: float, estimate: float,
-                     drain_timed_out: bool) -> str | None:
-        """Why no final checkpoint should be written at ``step`` (rank 0), or None."""
-        newest = self.newest_step
-        if newest == step:
-            return f"checkpoint at step {step} already committed"
-        if newest is None and step == 0:
-            return "no step trained yet"
-        if drain_timed_out:
-            return "finishing the save in flight used up the grace period"
-        remaining = deadline - time.time()
-        if remaining < estimate:
-            return (f"{remaining:.2f} s of grace left, a save takes about {estimate:.2f} s "
-                    f"(measured)")
-        return None
-
-    def stop(self, step: int, requested_at: float, boundary: StepBoundary) -> Stopped:
-        """Drain the in-flight save, then commit a final one at ``step`` if the grace allows.
-
-        Time runs from the earliest request on any rank; the deadline is that plus the
-        grace period. The drain gives up at the deadline; a final save that the measured
-        save time says cannot fit is not started, and the newest committed checkpoint
-        stays the one to resume from. Either way nothing torn can count: only a commit
-        makes a checkpoint.
-        """
-        grace = boundary.grace_period_s
-        deadline = requested_at + grace
-        source, source_rank, detail, rank_steps = boundary.agreed_source(step)
-        in_flight_step = self.in_flight_step
-        what = ("interrupted by the user (Ctrl-C; press it again to exit without a final save)"
-                if source == "SIGINT" else source)
-        what += f" on rank {source_rank}" if len(rank_steps) > 1 else ""
-        what += f": {detail}" if detail else ""
-        draining = (f", finishing the save of step {in_flight_step} in flight"
-                    if in_flight_step is not None else "")
-        self.metrics.say(f"stop requested ({what}) at step {step}{draining}; "
-                         f"grace period {grace:g} s")
-
-        # 1. Drain: the save in flight commits, or fails (a signal sent to the process group
-        #    also kills DCP's checkpoint process), or is given up at the deadline. A drain
-        #    that ran out of time on any rank counts: rank 0 must not plan on time that
-        #    rank lacks.
-        drained, timed_out = self.drain(timeout=deadline - time.time())
-        committed_at = time.time() if drained is not None else None
-        (drain_timed_out,) = any_rank(timed_out)
-
-        # 2. Final save at this step, decided by rank 0.
-        estimate = self.save_estimate_s()
-        skip = decide_on_rank0(lambda: self._skip_reason(step, deadline, estimate, drain_timed_out))
-        final = None
-        if skip is None:
-            try:
-                final = self.save_now(step, "preemption")
-            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - still exit as preempted
-                log.error("final checkpoint at step %d failed: %s", step, exc)
-                skip = f"final save failed: {exc}"
-            if final is not None:
-                committed_at = time.time()
-
-        finished = time.time()
-        to_commit = committed_at - requested_at if committed_at is not None else None
-        grace_left = deadline - finished
-        resume_step = self.newest_step
-        self.metrics.event(
-            Event.preemption, source=source, source_rank=source_rank, detail=detail,
-            stop_step=step, rank_stop_steps=rank_steps, in_flight_step=in_flight_step,
-            drained_step=drained.step if drained is not None else None,
-            final_checkpoint_step=final.step if final is not None else None,
-            final_save_skipped_reason=skip if final is None else None,
-            save_estimate_s=estimate, signal_to_commit_s=to_commit,
-            grace_period_s=grace, grace_left_s=grace_left, resume_step=resume_step,
-            signals_received=boundary.signals_received)
-        if final is not None:
-            outcome = f"checkpoint step {step} committed {to_commit:.2f} s after the request"
-        else:
-            outcome = (f"no final checkpoint ({skip}); a restart resumes from "
-                       f"{'step ' + str(resume_step) if resume_step is not None else 'scratch'}")
-        left = (f"{grace_left:.1f} s of grace left" if grace_left >= 0
-                else f"{-grace_left:.2f} s past the grace period")
-        self.metrics.say(f"stopped at step {step}: {outcome}; {left}")
-        if to_commit is not None and to_commit > grace:
-            log.warning("the last commit came %.1f s after the request, past the %g s grace "
-                        "period: where the platform kills on time it would have been lost",
-                        to_commit, grace)
-        return Stopped(step, final.step if final is not None else None, resume_step,
-                       by_user=source == "SIGINT")
 
     # ------------------------------------------------------------- reporting --
     def describe_newest(self) -> str:

@@ -43,7 +43,7 @@ MOVED_MODULES = {
     "distributed": ("runtime.distributed", "loop.parallelize"),
     "exit_codes": ("runtime.exit_codes",),
     "metrics": ("runtime.metrics",),
-    "stop": ("preemption.stop", "checkpoint.policy"),
+    "stop": ("preemption.stop", "checkpoint.policy", "checkpoint.final_save"),
     "preemption": ("preemption.watch",),
     "watchdog": ("recovery.watchdog",),
     "progress_guard": ("recovery.progress_guard",),

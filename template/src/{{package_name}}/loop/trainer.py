@@ -3,19 +3,14 @@
 Data flows one way: the trainer builds the model, data, loss and optimizer from the
 user's task (task.py, through ``task_contract``), owns the data position and RNG, and
 hands the state to the save policy once per step. When to save lives in
-``checkpoint.policy``; how to stop in ``stop``. Nothing below the trainer calls back up.
-
-(A few lines over 400: the DataLoader's workers, ended at exit and named when one dies,
-stay beside the loop that starts them.)
+``checkpoint.policy``; how to stop in ``stop``; the DataLoader in ``loader``. Nothing
+below the trainer calls back up.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import signal
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,26 +18,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.utils.data import DataLoader
 
 from ..checkpoint import Checkpointer, Committed
 from ..checkpoint.state import Progress, RankRNG, training_state
 from ..config import Config, TaskContext, to_plain_dict
-from ..preemption.early import HELD as STOP_SIGNALS
 from ..recovery.watchdog import StepWatchdog
 from ..runtime.distributed import Runtime
-from ..runtime.lifeline import follow_parent
 from ..runtime.metrics import Event, MetricsLog
+from . import loader
 from .evaluate import Evaluator, eval_fields
 from .parallelize import set_gradient_sync, to_device, wrap_model
-from .sampling import GlobalBatchSampler, RankMicroBatches, split_global_batch
+from .sampling import GlobalBatchSampler, split_global_batch
 from .task_contract import Task, default_optimizer
 
 # Names the harness writes in every step event; a task's metrics may not reuse them.
 STEP_FIELDS = ("event", "time", "step", "loss", "grad_norm", "lr", "step_time_s",
                "samples_per_s")
-# How long a failed batch read waits for a DataLoader worker that is dying to be reaped.
-WORKER_EXIT_WAIT_S = 5.0
 
 
 class TaskError(RuntimeError):
@@ -59,60 +50,6 @@ class Outcome:
 def rank_seed(seed: int, step: int, rank: int) -> int:
     """A distinct, reproducible seed for each (run seed, step, rank)."""
     return (seed * 1_000_003 + step * 7_919 + rank * 104_729) % (2**63)
-
-
-def _ignore_preemption_signals(_worker_id: int) -> None:
-    # DataLoader workers share the trainer's process group: a signal sent to it must reach
-    # the trainer's stop path, not kill them first. They end with their parent instead.
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    follow_parent()
-
-
-def _end_workers_at_exit(loader_iter: weakref.ref) -> None:
-    """End a DataLoader's workers before multiprocessing's exit handler joins them.
-
-    They ignore SIGTERM, so the loader's own last resort (``terminate``) cannot end one;
-    after a crash, whose traceback keeps the loader alive until exit, the process would
-    wait for them forever. Registered with atexit, which runs it before that join.
-    """
-    it = loader_iter()
-    if it is None:
-        return
-    with contextlib.suppress(Exception):
-        it._shutdown_workers()  # the loader's own orderly stop
-    for worker in getattr(it, "_workers", ()):
-        if worker.is_alive():
-            worker.kill()
-            worker.join(timeout=5)
-
-
-def _naming_dead_workers(loader_iter: Iterator[Any]) -> Iterator[Any]:
-    """The loader's batches; a read that fails because a worker died says which worker.
-
-    torch names a dead worker only if it is already reaped when the read fails; a worker
-    killed while handing over a batch can fail the read first, as a bare
-    ``ConnectionResetError`` from the descriptor it was passing. Then wait (at most
-    ``WORKER_EXIT_WAIT_S``) for the worker to be seen dead, and say so.
-    """
-    while True:
-        try:
-            batch = next(loader_iter)
-        except StopIteration:
-            return
-        except (OSError, EOFError) as exc:
-            workers = getattr(loader_iter, "_workers", ())
-            deadline = time.monotonic() + WORKER_EXIT_WAIT_S
-            while True:
-                dead = [w.pid for w in workers if not w.is_alive()]
-                if dead or not workers or time.monotonic() >= deadline:
-                    break
-                time.sleep(0.05)
-            if dead:
-                raise RuntimeError(f"DataLoader worker (pid(s) {', '.join(map(str, dead))}) "
-                                   f"exited unexpectedly") from exc
-            raise
-        yield batch
 
 
 class NoStragglerCheck:
@@ -230,36 +167,11 @@ class Trainer:
     # ------------------------------------------------------------------ data --
     def micro_batches(self) -> Iterator[Any]:
         """This rank's micro-batches from the current data position on, collated."""
-        workers = self.cfg.loader.num_workers
-        loader = DataLoader(
-            self.dataset, collate_fn=self.task.collate, num_workers=workers,
-            batch_sampler=RankMicroBatches(self.sampler, self.split, self.runtime.rank,
-                                           self.progress.samples_consumed),
-            pin_memory=self.runtime.device.type == "cuda",
-            # A generator of its own: the loader draws its workers' base seed from it, and
-            # a draw from the default generator would shift the saved random streams.
-            generator=torch.Generator().manual_seed(rank_seed(self.cfg.train.seed,
-                                                              self.progress.step,
-                                                              self.runtime.rank)),
-            worker_init_fn=_ignore_preemption_signals if workers else None,
-            multiprocessing_context=self._start_method() if workers else None,
-            # Each worker keeps this many micro-batches ready (DataLoader refuses it
-            # without workers).
-            prefetch_factor=self.cfg.loader.prefetch_factor if workers else None,
-            persistent_workers=workers > 0)
-        batches = iter(loader)
-        if workers:
-            atexit.register(_end_workers_at_exit, weakref.ref(batches))
-            return _naming_dead_workers(batches)
-        return batches
-
-    def _start_method(self) -> str:
-        """How DataLoader workers start (loader.start_method; auto: forkserver on CUDA,
-        where a fork would copy a process holding a CUDA context and helper threads)."""
-        method = self.cfg.loader.start_method
-        if method == "auto":
-            method = "forkserver" if self.runtime.device.type == "cuda" else "fork"
-        return method
+        return loader.micro_batches(
+            self.dataset, self.task.collate, self.sampler, self.split, self.runtime.rank,
+            self.progress.samples_consumed,
+            rank_seed(self.cfg.train.seed, self.progress.step, self.runtime.rank),
+            self.runtime.device, self.cfg.loader)
 
     # ------------------------------------------------------------------ step --
     def train_step(self, batches: Iterator[Any]) -> dict[str, float]:

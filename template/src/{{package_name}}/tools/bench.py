@@ -5,46 +5,17 @@
     python -m <package>.bench --restart [--repeats 5] [--nproc 2]
 
 Every figure is a median over ``--repeats``, on this configuration's real model and
-optimizer state, with the same bytes, in the same run (so a busy machine moves all of
-them alike):
-
-- ``copy_bound``: copy this rank's state into preallocated host memory (pinned on CUDA,
-  shared memory on CPU in process mode): the floor of the staging copy;
-- ``async_blocking``: this project's save on the training path (the ``save`` call and
-  the staging copy); ``async_commit``: until the checkpoint is committed;
-- ``disk_bound``: every rank writes and fsyncs as many bytes as its shard, in parallel;
-- ``baseline``: gather the full state on rank 0, ``torch.save`` it and fsync (the
-  common way); ``dcp_sync``: a plain ``dcp.save``;
-- ``load``: load the newest checkpoint through the resume path (``load_checkpoint``,
-  its checksums checked as it reads); ``verify``: a checksum pass of its own on rank 0
-  (what ``verify`` does; no longer on the resume path); ``read_bound``: every rank reads
-  the bytes of its own shard; ``baseline_load``: rank 0 ``torch.load`` and a broadcast.
-  The checkpoint's files are dropped from the page cache first, as on a fresh machine;
-- ``stall``: in a training loop (the trainer's step, the save policy), the median time
-  of steps that start a save minus that of steps with no save in flight;
-- ``memory_save``: the memory tier's save on the training path (``MemoryTier.save``: the
-  ranks agree, then one copy of the state into its slot in shared memory); its commit
-  and partner copy run off the path; ``memory_load``: a restart's load of that copy
-  (``MemoryTier.restore``: the copies every rank has, checked as checkpoint.verify says,
-  copied into the live state), against ``load`` from durable storage;
-  ``memory_load_sampled`` the same with ``checkpoint.verify: sample``;
-  ``memory_load_checked`` the same after ``memory_check``, the check a restart makes of
-  its node's newest copy while it builds the model (off the load's path).
-
-``--train-steps N`` instead trains N steps without and N steps with checkpointing every
-``--interval`` steps, ``--repeats`` times alternately, and prints the throughput ratio.
-``--restart`` (run with python, not torchrun) times restarts of real jobs with their
-phases (``bench_restart.py``).
-
-(About 440 lines: one run measures every figure on the same state, in order, so that a
-busy machine moves them alike; the text and the loop are in bench_report.py and
-bench_loop.py.)
+optimizer state, with the same bytes, measured in order in the same run (so a busy
+machine moves them alike); what each figure measures and the ratios aimed at are in
+docs/PERFORMANCE.md. ``--train-steps N`` compares the throughput without and with
+checkpointing every ``--interval`` steps; ``--restart`` (python, not torchrun) times
+restarts of real jobs, phase by phase (``bench_restart.py``). The loop and the text are
+in ``bench_loop.py`` and ``bench_report.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -84,7 +55,14 @@ from ..runtime.distributed import (
 from ..runtime.output_dirs import make_output_dir
 from ..runtime.torch_compat import torch_too_old
 from . import bench_restart
-from .bench_loop import Bench, bench_config, build_trainer, measure_stall, measure_throughput
+from .bench_loop import (
+    Bench,
+    bench_config,
+    build_trainer,
+    measure_stall,
+    measure_throughput,
+    timed,
+)
 from .bench_report import fmt, ratios, report_text, throughput_text
 
 
@@ -93,65 +71,6 @@ class PlainDcpPlanner(TrainingStatePlanner):
     cache-hit count stay apart from the project's saves of the same state."""
 
     cache_hits = 0
-
-
-def _measure_memory(bench: Bench, state: dict, timings: dict[str, list[float]],
-                    repeats: int) -> dict[str, Any]:
-    """The memory tier's save stall and load, on this run's state (its own folder of
-    copies under checkpoint.memory_dir, freed afterwards). Rendered with memory_tier."""
-    from ..checkpoint.memory.tier import MemoryTier
-    cfg = bench.trainer.cfg
-    ckpt = dataclasses.replace(cfg.checkpoint, memory_interval_steps=1)
-    tier = MemoryTier.open(dataclasses.replace(cfg, checkpoint=ckpt), bench.checkpointer.runtime,
-                           bench.checkpointer.metrics, continues=False)
-    trainer = bench.trainer
-    timings["memory_save"] = []
-    try:
-        for i in range(repeats + 1):   # the first copy allocates the slot's pages
-            trainer.progress.step = 200 + i
-            dist.barrier()
-            stall = _timed(lambda: tier.save(trainer.progress.step, state,
-                                             trainer.commit_record()))
-            if not tier.wait() or tier.rounds[-1].error:
-                raise RuntimeError(f"a memory copy failed during the benchmark: "
-                                   f"{tier.rounds[-1].error if tier.rounds else 'timed out'}")
-            if i:
-                timings["memory_save"].append(stall)
-        verify = tier.verify
-        for name, check, early in (("memory_load", verify, False),
-                                   ("memory_load_sampled", "sample", False),
-                                   ("memory_load_checked", verify, True)):
-            tier.verify, timings[name] = check, []
-            for i in range(repeats + 1):
-                if early:   # as at a restart: checked while the model is built
-                    tier.start_check()
-                    checked = tier.wait_check()
-                    if i:
-                        timings.setdefault("memory_check", []).append(checked)
-                dist.barrier()
-                seconds = _timed(lambda: tier.restore(state, None))
-                if i:
-                    timings[name].append(seconds)
-        return {"held_bytes": tier.held_bytes(), "nodes": tier.partners.nodes}
-    finally:
-        tier.close(free_copies=True)
-
-
-def _timed(fn) -> float:
-    """Seconds ``fn`` takes on every rank, its CUDA work included (a barrier on the CPU
-    group does not wait for kernels still queued on the GPU)."""
-    _synchronize()
-    dist.barrier()
-    began = time.perf_counter()
-    fn()
-    _synchronize()
-    dist.barrier()
-    return time.perf_counter() - began
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 def _local_tensors(state: Any) -> list[torch.Tensor]:
@@ -316,7 +235,7 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
         for i in range(args.repeats):
             if before is not None:
                 before(i)
-            timings[name].append(_timed(lambda i=i: fn(i)))
+            timings[name].append(timed(lambda i=i: fn(i)))
         say(f"  {name:<15} median {statistics.median(timings[name]):.3f} s")
 
     # -- the floors: a host copy, a parallel write ---------------------------------
@@ -424,7 +343,8 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
     # -- the memory tier (when rendered: the copier answer memory_tier) -------------
     memory = {"held_bytes": None, "nodes": None}
     if parts.rendered(parts.MEMORY_TIER):
-        memory = _measure_memory(bench, state, timings, args.repeats)
+        from .bench_memory import measure_memory
+        memory = measure_memory(bench, state, timings, args.repeats)
         for name in ("memory_save", "memory_load", "memory_load_sampled", "memory_load_checked",
                      "memory_check"):
             say(f"  {name:<15} median {statistics.median(timings[name]):.3f} s")

@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
 import torch.distributed as dist
 
 from ..checkpoint import Checkpointer
@@ -146,3 +147,20 @@ def measure_throughput(bench: Bench, steps: int, interval: int, repeats: int,
         "throughput_ratio": samples["with"] / samples["without"],
         "failed_saves": checkpointer.failed_saves - saves_before,
     }
+
+
+def timed(fn) -> float:
+    """Seconds ``fn`` takes on every rank, its CUDA work included (a barrier on the CPU
+    group does not wait for kernels still queued on the GPU)."""
+    synchronize()
+    dist.barrier()
+    began = time.perf_counter()
+    fn()
+    synchronize()
+    dist.barrier()
+    return time.perf_counter() - began
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -28,8 +28,9 @@ from pathlib import Path
 
 from .. import PACKAGE
 from ..checkpoint.store import layout
+from ..checkpoint.store.errors import human_bytes
 from ..checkpoint.store.outage import ends_storage_errors, with_retries
-from ..checkpoint.store.storage import human_bytes, open_storage
+from ..checkpoint.store.storage import open_storage
 from ..config import OBJECT_STORE_SCHEMES, ConfigError, VerifyMode, load_config
 from ..runtime import exit_codes
 

@@ -1,14 +1,9 @@
 """The save pipeline: DCP saves off the training path, one at a time, committed when whole.
 
-Every rank writes its own shard in parallel; the coordinator (rank 0) writes DCP's
-metadata file once all shards are written, and only then commits. In ``process`` and
-``thread`` mode, ``save`` returns as soon as the state is staged into host memory; the
-caller must call ``wait_staged`` before it changes parameters again (the optimizer
-step), and ``poll`` at every step so that a finished save is committed promptly.
-
-(About 470 lines: saving, committing and abandoning a save share the in-flight state
-and its lock, and are easiest to check side by side; starting the background process and
-the staging buffers use the same storage and stager. Loading is in ``load/``.)
+Every rank writes its own shard; the coordinator (rank 0) writes DCP's metadata file once
+all are written, then commits (``commit.py``). In ``process`` and ``thread`` mode ``save``
+returns once the state is staged in host memory: call ``wait_staged`` before the weights
+change (the optimizer step) and ``poll`` at every step. Loading is in ``load/``.
 """
 
 from __future__ import annotations
@@ -18,8 +13,6 @@ import threading
 import time
 from concurrent import futures
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
@@ -33,52 +26,15 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ...config import AsyncMode
 from ...runtime.distributed import any_rank
 from ..store import layout
+from ..store.errors import StorageUnavailable, describe_save_error, is_transient, save_failures
 from ..store.lease import Lease
-from ..store.storage import (
-    Storage,
-    StorageUnavailable,
-    describe_save_error,
-    is_transient,
-    save_failures,
-)
+from ..store.storage import Storage
 from .background import start_checkpoint_process
+from .commit import InFlight, NotCommitted, SaveResult, commit_written
 from .dcp_planner import TrainingStatePlanner
 from .staging import ReusingStager
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SaveResult:
-    """What the training loop and metrics learn about a committed save."""
-
-    step: int
-    reason: str
-    mode: str
-    blocking_s: float
-    commit_latency_s: float
-    path: str
-    removed: list[str] = field(default_factory=list)
-    # Seconds the write itself took (from handing the state to DCP, after any wait for
-    # the previous save, until every shard and .metadata were written): what a blocking
-    # save at preemption is expected to need.
-    write_s: float = 0.0
-
-
-@dataclass
-class _InFlight:
-    step: int
-    reason: str
-    record: dict[str, Any]
-    started: float
-    blocking_s: float
-    upload: Future
-    staging: Future | None
-    handed_off: float = 0.0           # perf_counter() when DCP got the state
-    written: float | None = None      # perf_counter() when the upload finished
-    committed: Future | None = None   # the coordinator's commit, run once the upload is done
-    metadata: Any = None              # DCP's Metadata of the written save (names every file)
-    given_up: bool = False            # abandoned: the commit must not happen any more
 
 
 class SavePipeline:
@@ -114,7 +70,7 @@ class SavePipeline:
         self._group = None
         if self.mode == AsyncMode.thread and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
-        self._inflight: _InFlight | None = None
+        self._inflight: InFlight | None = None
         self._prestaging: Future | None = None   # buffers being allocated (``prestage``)
         self._starting: Future | None = None     # the checkpoint process starting (``warm_up``)
         self._started = False
@@ -263,7 +219,7 @@ class SavePipeline:
         if blocking or self.mode == AsyncMode.sync:
             metadata = dcp.save(state, storage_writer=writer, planner=self._planner)
             written = time.perf_counter()
-            self._inflight = _InFlight(step, reason, record, started, written - started,
+            self._inflight = InFlight(step, reason, record, started, written - started,
                                        _done_future(), None, handed_off, written,
                                        metadata=metadata)
             return self._finish(mode=AsyncMode.sync)
@@ -282,7 +238,7 @@ class SavePipeline:
             upload, staging = response.upload_completion, response.staging_completion
         else:
             upload, staging = response, None
-        inflight = _InFlight(step, reason, record, started, time.perf_counter() - started,
+        inflight = InFlight(step, reason, record, started, time.perf_counter() - started,
                              upload, staging, handed_off)
         if self.is_coordinator:
             inflight.committed = Future()
@@ -312,7 +268,7 @@ class SavePipeline:
         return None
 
     @staticmethod
-    def _finishing(inflight: _InFlight) -> list[Future]:
+    def _finishing(inflight: InFlight) -> list[Future]:
         """What must be done before a save can be handed over: staging, upload, commit."""
         return [f for f in (inflight.staging, inflight.upload, inflight.committed)
                 if f is not None]
@@ -385,13 +341,13 @@ class SavePipeline:
         try:
             result = (inflight.committed.result(timeout=0) if inflight.committed is not None
                       else self._commit(inflight, mode))
-        except _NotCommitted as exc:
+        except NotCommitted as exc:
             self.record_failure(inflight.step, exc.__cause__, str(exc))
             return None
         self.last_committed = result
         return result
 
-    def _commit_when_written(self, inflight: _InFlight, upload: Future) -> None:
+    def _commit_when_written(self, inflight: InFlight, upload: Future) -> None:
         """Run in DCP's upload thread as soon as the shards are written (coordinator): the
         commit, its checksums and the retirement of old checkpoints stay off the training
         thread. ``poll`` hands the result over."""
@@ -399,48 +355,18 @@ class SavePipeline:
         try:
             with self._commit_lock:
                 if inflight.given_up:
-                    inflight.committed.set_exception(_NotCommitted("was given up"))
+                    inflight.committed.set_exception(NotCommitted("was given up"))
                 elif upload.exception() is None:
                     inflight.metadata = upload.result()
                     inflight.committed.set_result(self._commit(inflight, None))
                 else:
-                    inflight.committed.set_exception(_NotCommitted("was not written"))
+                    inflight.committed.set_exception(NotCommitted("was not written"))
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             inflight.committed.set_exception(exc)
 
-    def _commit(self, inflight: _InFlight, mode: AsyncMode | None) -> SaveResult:
-        """Write commit.json (with checksums) and retire old checkpoints; raises _NotCommitted."""
-        latency = time.perf_counter() - inflight.started
-        write_s = (inflight.written or time.perf_counter()) - inflight.handed_off
-        record = {
-            **inflight.record,
-            "reason": inflight.reason,
-            "mode": (mode or self.mode).value,
-            "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "blocking_s": round(inflight.blocking_s, 6),
-            "commit_latency_s": round(latency, 6),
-            "write_s": round(write_s, 6),
-            "torch_version": torch.__version__,
-        }
-        if self.lease is not None and not self.lease.held:
-            raise _NotCommitted("was written but not committed: another job has taken over "
-                                "the checkpoint directory (see the log)")
-        try:
-            committed = layout.commit(self.storage, inflight.step, record,
-                                      metadata=inflight.metadata)
-        except (OSError, RuntimeError) as exc:
-            raise _NotCommitted("was written but not committed") from exc
-        # The latency a caller sees ends at the commit (the checkpoint counts from here),
-        # wherever it ran; removing old checkpoints follows and is not part of it.
-        latency = time.perf_counter() - inflight.started
-        try:
-            removed = layout.retire_old(self.storage, self.keep_last, up_to=inflight.step,
-                                            best=self.best)
-        except OSError as exc:  # the new checkpoint is safe; old ones just linger
-            log.warning("could not remove old checkpoints: %s", exc)
-            removed = []
-        return SaveResult(inflight.step, inflight.reason, (mode or self.mode).value,
-                          inflight.blocking_s, latency, committed.path, removed, write_s)
+    def _commit(self, inflight: InFlight, mode: AsyncMode | None) -> SaveResult:
+        return commit_written(inflight, self.storage, mode or self.mode, self.lease,
+                              self.keep_last, self.best)
 
     def close(self) -> SaveResult | None:
         """Finish the in-flight save and release the staging buffers."""
@@ -451,10 +377,6 @@ class SavePipeline:
             self._stager.close()
         self._stager = None
         return result
-
-
-class _NotCommitted(RuntimeError):
-    """A written save could not be committed; the message says what happened to it."""
 
 
 def _done_future() -> Future:

@@ -30,16 +30,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ...runtime.distributed import decide_on_rank0
 from . import integrity
 from . import metadata as metadata_file
+from .errors import StorageError, StorageUnavailable, human_bytes, is_transient
 from .outage import with_retries
-from .storage import (
-    Storage,
-    StorageError,
-    StorageUnavailable,
-    check_space,
-    human_bytes,
-    is_transient,
-    probe,
-)
+from .storage import Storage, check_space, probe
 
 log = logging.getLogger(__name__)
 

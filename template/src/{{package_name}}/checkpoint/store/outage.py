@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from ...runtime import exit_codes
 from ...runtime.exit_codes import error_line
-from .storage import StorageError, StorageUnavailable, causes, is_transient, store_cause
+from .errors import StorageError, StorageUnavailable, causes, is_transient, store_cause
 
 T = TypeVar("T")
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)   # then 30 s between tries

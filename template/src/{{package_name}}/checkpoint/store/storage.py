@@ -1,13 +1,9 @@
-"""Where checkpoint bytes live, behind one small interface.
+"""Where checkpoint bytes live, behind one small interface: a local (or network-mounted)
+filesystem, or an object store through fsspec; their probe before anything is built.
 
-Everything above this module speaks in names relative to the checkpoint root. A local
-(or network-mounted) filesystem can rename a directory atomically; an object store
-cannot, which is why the layout's commit never relies on rename alone: the
-``commit.json`` file written last is what makes a checkpoint count.
-
-A little over 400 lines: the two storages, their probe, and telling a refusal from an
-outage (``is_transient``, which both probes need; the retry policy that uses it is in
-``outage.py``) belong to one concern, what the bytes' home can and cannot do.
+Everything above this module speaks in names relative to the checkpoint root. Only a
+filesystem renames a directory atomically, which is why a checkpoint counts once its
+``commit.json``, written last, is there (docs/RESUMING.md).
 """
 
 from __future__ import annotations
@@ -23,42 +19,15 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint import StorageWriter
 
 from ...config import OBJECT_STORE_SCHEMES
-from ...runtime.exit_codes import error_line
 from ...runtime.output_dirs import make_output_dir
-
-
-class StorageError(OSError):
-    """checkpoint.dir cannot hold checkpoints; the message is one sentence that says why."""
-
-
-class StorageUnavailable(StorageError):
-    """checkpoint.dir cannot be reached now (connection refused, timed out, the service
-    unavailable): an outage that may pass, not a refusal (checkpoint/store/outage.py)."""
-
-
-# What a store's client raises when the service cannot be reached, by class name: the
-# drivers are optional, so their classes are not imported here.
-UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
-               "ConnectionClosedError", "ClientConnectorError", "ServerDisconnectedError",
-               "ServerTimeoutError", "ProxyConnectionError", "HTTPClientError"}
-UNAVAILABLE_CODES = ("ServiceUnavailable", "SlowDown", "InternalError", "RequestTimeout",
-                     "503", "502", "504")
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) says the storage could not be reached, rather
-    than refused (credentials, permissions, a missing bucket, a full disk)."""
-    for cause in causes(exc):
-        if isinstance(cause, StorageUnavailable):
-            return True
-        if isinstance(cause, (ConnectionError, TimeoutError)):
-            return True
-        if type(cause).__name__ in UNREACHABLE:
-            return True
-        if type(cause).__name__ == "ClientError" and any(
-                code in str(cause) for code in UNAVAILABLE_CODES):
-            return True
-    return False
+from .errors import (
+    StorageError,
+    StorageUnavailable,
+    human_bytes,
+    is_transient,
+    os_cause,
+    store_cause,
+)
 
 
 class LocalStorage:
@@ -164,7 +133,7 @@ class LocalStorage:
                 probe.unlink(missing_ok=True)
             except OSError:
                 pass
-            raise StorageError(f"{where} is not usable: {step}: {_os_cause(exc)}") from None
+            raise StorageError(f"{where} is not usable: {step}: {os_cause(exc)}") from None
 
     @staticmethod
     def _fsync_dir(directory: Path) -> None:
@@ -299,95 +268,6 @@ def check_space(storage: Storage, needed_bytes: int | None, detail: str = "") ->
             f"checkpoint.dir={storage} has not enough free space: "
             f"{human_bytes(needed_bytes)} needed{f' ({detail})' if detail else ''}, "
             f"{human_bytes(free)} free")
-
-
-def save_failures(exc: BaseException) -> list[BaseException]:
-    """The failure of each rank in DCP's CheckpointException (its ``failures``), or the
-    exception itself."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        return [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-    return [exc]
-
-
-def describe_save_error(exc: BaseException, path: str) -> str:
-    """One sentence for a failed save: which path, which rank, and why (errno when known).
-
-    DCP wraps each rank's failure in a CheckpointException; a failed write often shows up
-    as torch's "unexpected pos N vs M" with the OSError (ENOSPC...) only as its context,
-    and a failure that crossed a process boundary (another rank, the checkpoint process)
-    has lost that context: then the free space of a local path is looked at.
-    """
-    failures = getattr(exc, "failures", None)
-    inner, where = exc, ""
-    if isinstance(failures, dict) and failures:
-        ranks = sorted(failures)
-        first = failures[ranks[0]]
-        inner = first[0] if isinstance(first, tuple) else first
-        where = f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
-    for cause in causes(inner):
-        if isinstance(cause, OSError) and cause.errno:
-            return f"checkpoint save to {path} failed{where}: {_os_cause(cause)}"
-    message = error_line(inner, limit=None)   # a KeyError's text alone is a bare key
-    if isinstance(inner, RuntimeError):       # torch's own failures say what they are
-        message = message.removeprefix("RuntimeError: ")
-    if "unexpected pos" in message:  # torch's zip writer: fewer bytes reached the file
-        message += " (a write came up short)"
-    hint = ""
-    if "://" not in path:
-        existing = Path(path)
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        try:
-            usage = shutil.disk_usage(existing)
-        except OSError:
-            usage = None
-        if usage is not None and usage.free < max(64 << 20, usage.total // 100):
-            hint = (f"; the filesystem has {human_bytes(usage.free)} free of "
-                    f"{human_bytes(usage.total)}: probably out of space (ENOSPC)")
-    return f"checkpoint save to {path} failed{where}: {message}{hint}"
-
-
-def causes(exc: BaseException | None):
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
-def _os_cause(exc: OSError) -> str:
-    code = errno.errorcode.get(exc.errno or 0)
-    text = (exc.strerror or os.strerror(exc.errno) if exc.errno else str(exc)).lower()
-    return f"{text} ({code})" if code else text
-
-
-def store_cause(exc: Exception) -> str:
-    kind = type(exc).__name__
-    if is_transient(exc):
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return f"cannot be reached ({kind}{': ' + first if first else ''})"
-    if kind == "NoCredentialsError" or "credentials" in str(exc).lower():
-        return (f"no credentials found ({kind}): set them in the environment "
-                "(e.g. AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) or attach "
-                "a role to the machine")
-    if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in str(exc):
-        return f"the bucket or container does not exist ({kind})"
-    if isinstance(exc, PermissionError):
-        return f"permission denied ({kind}: {exc})"
-    if isinstance(exc, OSError) and exc.errno:
-        return _os_cause(exc)
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{kind}: {first}" if first else kind
-
-
-def human_bytes(n: float) -> str:
-    """A byte count for people: 512 bytes, 3.1 MiB, 1.2 TiB."""
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:,} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} bytes"  # unreachable
 
 
 def open_storage(url: str) -> Storage:

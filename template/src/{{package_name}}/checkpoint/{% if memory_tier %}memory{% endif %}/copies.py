@@ -1,30 +1,13 @@
 """The memory tier's copies: one rank's training state in shared memory of its node.
 
-(A little over 400 lines: a copy's format, its writing and its reading stay in one file,
-so that its commit rules read in one place.)
-
-A node's copies live under ``checkpoint.memory_dir`` (default /dev/shm, a tmpfs: RAM),
-in a folder of their own per run (``run_folder``): files there outlive the worker that
-wrote them, so the workers torchrun restarts in place find them, and vanish with the
-node. Each rank's state has two slots on a node, used in turn, so one complete copy
-survives while the next is written:
-
-    <memory_dir>/<package>-<hash of checkpoint.dir>/rank-<r>/slot-<0|1>/
-        data          every tensor's bytes, back to back (64-byte aligned)
-        skeleton.json everything else, each tensor as {MARK: index} (``encode``: plain
-                      JSON, tuples and non-string keys tagged; no pickle)
-        commit.json   written last, removed first: the slot holds a copy only with it
-
-A copy has the same commit rules as a durable checkpoint: the commit record lists the
-sizes and the CRC-32 of every block (``integrity``); a copy cut off while written has
-no commit record and is never used. A copy that crossed the network (to the partner, or
-back to a replaced node) has every block checked before it is committed; a load checks
-as ``checkpoint.verify`` says (all: every block; sample: the skeleton and one data block
-in ``SAMPLE_EVERY``; none: the record and the sizes). Writing a copy is the one memory copy of the state the training loop waits for
-(``Slot.stage``: straight into the slot's mapped file, whose pages stay allocated from
-one save to the next); its checksums and commit record are written by the tier's
-thread (``memory_tier``), which also sends the copy to the partner node
-(``partners``).
+A node's copies live under ``checkpoint.memory_dir`` (default /dev/shm: RAM), in a folder
+per run (``run_folder``) that outlives the workers torchrun restarts in place. Each rank
+has two slots, used in turn, so one complete copy survives while the next is written:
+``data`` (every tensor's bytes, 64-byte aligned), ``skeleton.json`` (the rest, each
+tensor as {MARK: index}; plain JSON, no pickle) and ``commit.json`` (written last, with
+every block's CRC-32: a copy without it is never used). Writing a copy (``Slot.stage``)
+is the one memory copy the training loop waits for; loading one is ``reading.py``. The
+layout and its rules: docs/RECOVERY.md.
 """
 
 from __future__ import annotations
@@ -33,11 +16,8 @@ import hashlib
 import json
 import mmap
 import os
-import random
 import shutil
-import threading
 import time
-import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,10 +30,7 @@ from ... import PACKAGE
 from ..store.integrity import (
     ALGORITHM,
     BLOCK_BYTES,
-    ChecksumMismatch,
-    mismatch,
     parallel_map,
-    sample_blocks,
 )
 
 RECORD, DATA, SKELETON = "commit.json", "data", "skeleton.json"
@@ -150,7 +127,7 @@ def table_of(tensors: list[torch.Tensor]) -> tuple[list[list[Any]], int]:
     return table, offset
 
 
-def _view(buffer: Any, entry: list[Any]) -> torch.Tensor:
+def view(buffer: Any, entry: list[Any]) -> torch.Tensor:
     offset, nbytes, dtype, shape = entry
     dtype = getattr(torch, dtype)
     if nbytes == 0:
@@ -222,7 +199,7 @@ class Slot:
         table, size = table_of(tensors)
         buffer = self.buffer(size)
         if self._views is None or self._views[0] != table:   # the same layout: same views
-            self._views = (table, [_view(buffer, entry) for entry in table])
+            self._views = (table, [view(buffer, entry) for entry in table])
         with torch.no_grad():
             for target, tensor in zip(self._views[1], tensors):
                 if target.numel():
@@ -262,151 +239,6 @@ class Slot:
 def table_of_size(table: list[list[Any]]) -> int:
     """The size of ``data`` for a table (``table_of``'s total)."""
     return table[-1][0] + _padded(table[-1][1]) if table else 0
-
-
-# ------------------------------------------------------------- loading --
-class Opened:
-    """A copy opened for loading: its skeleton read and its blocks checked as ``check``
-    says (all | sample | none), every check before any byte reaches training. With every
-    block checked the file is mapped once (its pages populated in one call), checked
-    and copied from the mapping; otherwise each tensor is read straight into its target
-    (one copy by the kernel, no mapping). Raises ChecksumMismatch or MemoryCopyError;
-    ``close`` when done."""
-
-    def __init__(self, copy: Copy, check: str = "all") -> None:
-        self.copy, self.table = copy, copy.record["table"]
-        self.size = copy.record["sizes"][DATA]
-        self.fd = os.open(copy.path / DATA, os.O_RDONLY)
-        self.map: mmap.mmap | None = None
-        try:
-            if os.fstat(self.fd).st_size != self.size:
-                raise MemoryCopyError(f"{copy.path / DATA} is not the {self.size:,} bytes its "
-                                      "commit.json records")
-            skeleton = (copy.path / SKELETON).read_bytes()
-            if check != "none":
-                self._check(check, skeleton)
-            try:
-                self.tree = decode(skeleton)
-            except ValueError as exc:
-                raise MemoryCopyError(f"{copy.path / SKELETON} cannot be read: {exc}") from None
-        except BaseException:
-            os.close(self.fd)
-            raise
-
-    def _check(self, check: str, skeleton: bytes) -> None:
-        record, path = self.copy.record, self.copy.path
-        recorded = record["crc32"][DATA]
-        if len(recorded) != -(-self.size // BLOCK_BYTES):
-            raise ChecksumMismatch(f"{path / DATA}: its commit.json records {len(recorded)} "
-                                   f"blocks for {self.size:,} bytes")
-        blocks = (list(range(len(recorded))) if check == "all"
-                  else sample_blocks(len(recorded), random.Random()))
-        if check == "all" and self.size:   # every byte is read twice: map it once
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self.map = mmap.mmap(self.fd, self.size, flags=flags, prot=mmap.PROT_READ)
-        buffers = threading.local()
-
-        def crc_of(index: int) -> str:
-            buffer = getattr(buffers, "block", None)
-            if buffer is None:
-                buffer = buffers.block = bytearray(BLOCK_BYTES)
-            view = memoryview(buffer)[:min(BLOCK_BYTES, self.size - index * BLOCK_BYTES)]
-            if os.preadv(self.fd, [view], index * BLOCK_BYTES) != len(view):
-                raise MemoryCopyError(f"{path / DATA} ended early")
-            return f"{zlib.crc32(view):08x}"
-
-        crcs = (block_crcs(self.map, self.size, blocks) if self.map is not None
-                else dict(zip(blocks, parallel_map(crc_of, blocks))))
-        for index, crc in crcs.items():
-            if crc != recorded[index]:
-                begin = index * BLOCK_BYTES
-                raise ChecksumMismatch(mismatch(f"{path / DATA}", begin,
-                                                min(BLOCK_BYTES, self.size - begin),
-                                                int(crc, 16), recorded[index]))
-        crc, want = f"{zlib.crc32(skeleton):08x}", record["crc32"][SKELETON][0]
-        if crc != want:
-            raise ChecksumMismatch(mismatch(f"{path / SKELETON}", 0, len(skeleton),
-                                            int(crc, 16), want))
-
-    def entry(self, index: int) -> tuple[tuple[int, ...], torch.dtype]:
-        _, _, dtype, shape = self.table[index]
-        return tuple(shape), getattr(torch, dtype)
-
-    def read_into(self, index: int, target: torch.Tensor) -> None:
-        """Tensor ``index`` of the copy into ``target`` (its shape and dtype)."""
-        offset, nbytes = self.table[index][0], self.table[index][1]
-        if nbytes == 0:
-            return
-        if self.map is not None:
-            with warnings.catch_warnings(), torch.no_grad():
-                warnings.simplefilter("ignore", UserWarning)   # a read-only mapping
-                target.copy_(_view(self.map, self.table[index]))
-            return
-        direct = target.device.type == "cpu" and target.is_contiguous()
-        buffer = (target.detach().reshape(-1).view(torch.uint8) if direct
-                  else torch.empty(nbytes, dtype=torch.uint8))
-        if os.preadv(self.fd, [memoryview(buffer.numpy())], offset) != nbytes:
-            raise MemoryCopyError(f"{self.copy.path / DATA} ended early")
-        if not direct:   # a GPU or strided target: through host memory
-            with torch.no_grad():
-                target.copy_(buffer.view(target.dtype).reshape(target.shape))
-
-    def close(self) -> None:
-        if self.map is not None:
-            self.map.close()
-        os.close(self.fd)
-
-
-@dataclass
-class Fitted:
-    """A copy matched to the live state, nothing written yet (``apply`` writes it)."""
-
-    merged: dict[str, Any]
-    pairs: list[tuple[torch.Tensor, int]]   # a live tensor, the copy's tensor for it
-    opened: Opened
-
-
-def fit(state: dict[str, Any], opened: Opened) -> Fitted:
-    """Match a copy to the live state: every tensor checked against its live counterpart
-    (shape and dtype). Raises MemoryCopyError when the copy does not fit."""
-    tree = opened.tree
-    if set(tree) != set(state):
-        raise MemoryCopyError(f"the copy holds {sorted(tree)}, training has {sorted(state)}")
-    pairs: list[tuple[torch.Tensor, int]] = []
-
-    def merge(saved: Any, live: Any, where: str) -> Any:
-        if isinstance(saved, dict) and set(saved) == {MARK}:
-            shape, dtype = opened.entry(saved[MARK])
-            target = live.to_local() if isinstance(live, DTensor) else live
-            if not isinstance(target, torch.Tensor) or tuple(target.shape) != shape \
-                    or target.dtype != dtype:
-                got = (f"{tuple(target.shape)} {target.dtype}"
-                       if isinstance(target, torch.Tensor) else type(target).__name__)
-                raise MemoryCopyError(f"{where} is {shape} {dtype} in the copy and {got} "
-                                      "in training")
-            pairs.append((target, saved[MARK]))
-            return live
-        if isinstance(saved, dict):
-            live = live if isinstance(live, dict) else {}
-            return {key: merge(value, live.get(key), f"{where}.{key}")
-                    for key, value in saved.items()}
-        if isinstance(saved, (list, tuple)):
-            live = live if isinstance(live, (list, tuple)) and len(live) == len(saved) \
-                else [None] * len(saved)
-            return type(saved)(merge(s, v, f"{where}[{i}]")
-                               for i, (s, v) in enumerate(zip(saved, live)))
-        return saved
-
-    merged = {key: merge(tree[key], part.state_dict(), key) for key, part in state.items()}
-    return Fitted(merged, pairs, opened)
-
-
-def apply(state: dict[str, Any], fitted: Fitted) -> None:
-    """Read a fitted copy into the live tensors, then each part's ``load_state_dict``."""
-    for target, index in fitted.pairs:
-        fitted.opened.read_into(index, target)
-    for key, part in state.items():
-        part.load_state_dict(fitted.merged[key])
 
 
 # -------------------------------------------------------- a node's copies --

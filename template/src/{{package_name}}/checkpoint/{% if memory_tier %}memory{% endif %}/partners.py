@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .copies import DATA, SKELETON, Copy, Opened, Slot, table_of_size
+from .copies import DATA, SKELETON, Copy, Slot, table_of_size
+from .reading import Opened
 
 HEADER = 4   # has a copy, step, commit-record bytes, skeleton bytes
 

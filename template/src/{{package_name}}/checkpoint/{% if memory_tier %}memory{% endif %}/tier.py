@@ -1,31 +1,15 @@
 """The memory tier: a copy of the training state every ``checkpoint.memory_interval_steps``
 in RAM of its node and of a partner node, and a start from the nearest complete copy.
 
-Three failures, three places the state survives (docs/RECOVERY.md, "The memory tier"):
-
-    a worker dies, the node lives     its node's copy (``memory``)    restart in place
-    a node is lost                    the partner node's copy         ``partners``
-    the whole job is lost             durable storage only            as without the tier
-
-At a step boundary the loop waits for one copy of the state into the slot (``save``);
-the tier's thread then writes its checksums and commit record and sends it to the
-partner, while training goes on. A round starts only when every rank's previous round
-is over (one flag, agreed), so the ranks are never more than one copy apart and the
-two slots always keep one complete copy every rank has.
-
-A start (``restore``) compares the copies every rank can reach, on its own node or on
-the node that holds its partner copies, with the newest durable checkpoint: the newest
-step every rank has in memory wins when it is not older than the durable one. A rank
-whose copy is on another node receives it first (checked against its commit record);
-every rank checks its copy and whether it fits before any rank loads, so a copy that
-fails anywhere falls back to durable storage with nothing changed. Copies are used only
-by a start that continues a run (its attempt records say a start ran before); any
-other start clears them. They are freed when the job ends with its final state
-committed to durable storage; after a failure they stay for the restart.
-
-(A few lines over 400: saving, the round in the thread and restoring share the slots
-and the agreed flag; the copy's format is in memory.py, the partner's copy in
-partners.py.)
+At a step boundary the loop waits for one copy of the state into a slot (``save``); the
+tier's thread then commits it and sends it to the partner (``partners.py``) while
+training goes on. A round starts only once every rank's previous round is over (one
+flag, agreed), so two slots always keep one complete copy every rank has. A start
+(``restore``) takes the newest step every rank has in memory, on its node or its
+partner's, when it is not older than the newest durable checkpoint; every rank checks
+its copy before any rank loads, and a copy that fails anywhere falls back to durable
+storage. Only a start that continues a run uses copies; they are freed once the job
+ends with its final state durable. Why and when: docs/RECOVERY.md, "The memory tier".
 """
 
 from __future__ import annotations
@@ -52,11 +36,8 @@ from .copies import (
     SKELETON,
     Copy,
     MemoryCopyError,
-    Opened,
     Slot,
-    apply,
     encode,
-    fit,
     flatten,
     free,
     inventory,
@@ -66,6 +47,7 @@ from .copies import (
     table_of_size,
 )
 from .partners import Partners, Receipt, Sending, gather_identities
+from .reading import Opened, apply, fit
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,110 @@
+"""The trainer's DataLoader: this rank's micro-batches from a data position on, its
+workers started as configured (loader.*), deaf to the stop signals, ended at exit and
+named when one dies."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import signal
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ..config import LoaderConfig
+from ..preemption.early import HELD as STOP_SIGNALS
+from ..runtime.lifeline import follow_parent
+from .sampling import GlobalBatchSampler, RankMicroBatches
+
+# How long a failed batch read waits for a DataLoader worker that is dying to be reaped.
+WORKER_EXIT_WAIT_S = 5.0
+
+
+def micro_batches(dataset: Dataset, collate: Callable, sampler: GlobalBatchSampler, split: int,
+                  rank: int, samples_consumed: int, seed: int, device: torch.device,
+                  cfg: LoaderConfig) -> Iterator[Any]:
+    """This rank's micro-batches from ``samples_consumed`` on, collated. ``seed`` seeds
+    the loader's own generator (its workers' base seed): a draw from the default
+    generator would shift the saved random streams."""
+    workers = cfg.num_workers
+    loader = DataLoader(
+        dataset, collate_fn=collate, num_workers=workers,
+        batch_sampler=RankMicroBatches(sampler, split, rank, samples_consumed),
+        pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=ignore_preemption_signals if workers else None,
+        multiprocessing_context=start_method(cfg.start_method, device) if workers else None,
+        # Each worker keeps this many micro-batches ready (DataLoader refuses it
+        # without workers).
+        prefetch_factor=cfg.prefetch_factor if workers else None,
+        persistent_workers=workers > 0)
+    batches = iter(loader)
+    if workers:
+        atexit.register(end_workers_at_exit, weakref.ref(batches))
+        return naming_dead_workers(batches)
+    return batches
+
+
+def start_method(method: str, device: torch.device) -> str:
+    """How DataLoader workers start (loader.start_method; auto: forkserver on CUDA, where
+    a fork would copy a process holding a CUDA context and helper threads)."""
+    if method == "auto":
+        method = "forkserver" if device.type == "cuda" else "fork"
+    return method
+
+
+def ignore_preemption_signals(_worker_id: int) -> None:
+    # DataLoader workers share the trainer's process group: a signal sent to it must reach
+    # the trainer's stop path, not kill them first. They end with their parent instead.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    follow_parent()
+
+
+def end_workers_at_exit(loader_iter: weakref.ref) -> None:
+    """End a DataLoader's workers before multiprocessing's exit handler joins them.
+
+    They ignore SIGTERM, so the loader's own last resort (``terminate``) cannot end one;
+    after a crash, whose traceback keeps the loader alive until exit, the process would
+    wait for them forever. Registered with atexit, which runs it before that join.
+    """
+    it = loader_iter()
+    if it is None:
+        return
+    with contextlib.suppress(Exception):
+        it._shutdown_workers()  # the loader's own orderly stop
+    for worker in getattr(it, "_workers", ()):
+        if worker.is_alive():
+            worker.kill()
+            worker.join(timeout=5)
+
+
+def naming_dead_workers(loader_iter: Iterator[Any]) -> Iterator[Any]:
+    """The loader's batches; a read that fails because a worker died says which worker.
+
+    torch names a dead worker only if it is already reaped when the read fails; a worker
+    killed while handing over a batch can fail the read first, as a bare
+    ``ConnectionResetError`` from the descriptor it was passing. Then wait (at most
+    ``WORKER_EXIT_WAIT_S``) for the worker to be seen dead, and say so.
+    """
+    while True:
+        try:
+            batch = next(loader_iter)
+        except StopIteration:
+            return
+        except (OSError, EOFError) as exc:
+            workers = getattr(loader_iter, "_workers", ())
+            deadline = time.monotonic() + WORKER_EXIT_WAIT_S
+            while True:
+                dead = [w.pid for w in workers if not w.is_alive()]
+                if dead or not workers or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+            if dead:
+                raise RuntimeError(f"DataLoader worker (pid(s) {', '.join(map(str, dead))}) "
+                                   f"exited unexpectedly") from exc
+            raise
+        yield batch
