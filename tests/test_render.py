@@ -65,6 +65,15 @@ def test_generated_code_is_lint_clean(which, request):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("which", ["default_project", "full_project"])
+def test_no_module_is_over_400_lines(which, request):
+    """A module that grows past 400 lines holds two concerns: split it (docs/architecture.md)."""
+    src = request.getfixturevalue(which) / "src"
+    long = {str(p.relative_to(src)): n for p in sorted(src.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
+
+
 def test_launch_files_follow_the_answers(tmp_path, default_project):
     assert not (default_project / "launch").exists()  # no launcher: no empty folder either
     assert (default_project / "Dockerfile").is_file()
