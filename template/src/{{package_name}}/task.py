@@ -1,30 +1,16 @@
 """Your task: the model, the data, the loss and the metrics. This is the file to edit.
 
-``copier update`` never writes this file (nor any file you add); it merges its changes
-into configs/train.yaml and pyproject.toml, keeping your values; every other file is the
-template's, ``models/`` and ``datasets/`` included: to change one, copy it beside this
-file under a name of your own (docs/EXTENDING.md, "Who owns what").
+The harness calls the functions below and nothing else of yours; docs/EXTENDING.md, "The
+contract", says when each is called, what it must return, and what the harness
+guarantees in return. Required: ``build_model(cfg, ctx)`` (or ``build_model(cfg)``),
+``build_data``, ``loss_and_metrics``. Optional: ``collate``, ``build_optimizer``,
+``shard_units``, and for evaluation ``build_eval_data``, ``eval_metrics``, ``eval_summary``.
+``cfg.model`` and ``cfg.data`` are your sections of configs/train.yaml, as plain dicts;
+``task_section`` checks one against a dataclass of yours.
 
-The harness (trainer, checkpointing, preemption, launch) calls the functions below and
-nothing else of yours; docs/EXTENDING.md gives the contract and what the harness
-guarantees in return. Required: ``build_model``, ``build_data``, ``loss_and_metrics``.
-``build_model(cfg, ctx)`` gets what the harness knows about this run in ``ctx``
-(``first_start``, ``rank``, ``world_size``, ``device``); ``build_model(cfg)`` works too.
-Optional, with the harness's defaults when absent: ``collate`` (default_collate),
-``build_optimizer`` (AdamW with warm-up and cosine decay from ``train.*``) and
-``shard_units`` (the submodules FSDP2 shards one by one). Evaluation, optional:
-``build_eval_data`` (held-out samples; without it nothing is evaluated), ``eval_metrics``
-(default: ``loss_and_metrics`` under ``torch.no_grad()`` in eval mode) and
-``eval_summary`` (figures derived from the evaluation's means, e.g. the perplexity).
-
-``cfg.model`` and ``cfg.data`` are the ``model:`` and ``data:`` sections of
-configs/train.yaml as plain dicts: yours to define. ``task_section`` checks them
-against a dataclass, with the harness's error messages for a bad key or value.
-
-This default trains a causal language model on next-token prediction:
-``model.kind`` tiny (a small byte-level transformer) or hf (any Hugging Face causal LM),
-``data.kind`` text (bytes of a text file or of a generated corpus) or tokens (a
-directory written by ``python -m <package>.prepare_data``).
+``copier update`` never writes this file (docs/EXTENDING.md, "Who owns what"). This
+default trains a causal language model on next-token prediction: ``model.kind`` tiny or
+hf, ``data.kind`` text or tokens (docs/EXTENDING.md, "Where the default task comes from").
 """
 
 from __future__ import annotations

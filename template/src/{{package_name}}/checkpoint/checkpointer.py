@@ -1,21 +1,17 @@
-"""The checkpointer: the training loop's whole checkpoint surface.
+"""The checkpointer: the training loop's one checkpoint object.
 
-The loop touches it at a few moments, as torchtitan's trainer touches its own:
+The loop calls it at a few moments, as torchtitan's trainer calls its own:
 
     checkpointer = Checkpointer.open(cfg, runtime, metrics, stop)   # storage, lease
     resumed = checkpointer.load(trainer)          # choose, check and load; None: fresh
-    ...each step:
-        checkpointer.maybe_wait_for_staging()     # before the optimizer step
-        decision = checkpointer.at_step_end(step, last_step=...)   # a StepDecision: save? stop?
+    checkpointer.maybe_wait_for_staging()         # each step, before the optimizer step
+    decision = checkpointer.at_step_end(step, last_step=...)   # each step: save? stop?
     outcome = checkpointer.close(step, decision)  # finish the save in flight, verdict
     checkpointer.release()                        # the lease; whether a save was abandoned
 
-Every decision that has to do with checkpoints is made here or below: the save interval
-and the final save (``policy``), preemption as one more reason to save now (the stop
-vote comes from ``preemption.stop``; the save at the stop is decided here), failing saves
-(synchronous fallback; exit 73 once their budget in count and time is spent:
-``failed_saves``), which checkpoint to resume from (``restore``), and who may write
-``checkpoint.dir`` (``lease``). Every decision is the same on every rank.
+Every checkpoint decision is made here or below, the same on every rank: the interval
+and the final save (``policy``, ``final_save``), failing saves (``failed_saves``), the
+checkpoint to resume from (``load/restore``), the lease on ``checkpoint.dir`` (``store``).
 """
 
 from __future__ import annotations

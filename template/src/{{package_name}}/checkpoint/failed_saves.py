@@ -1,25 +1,12 @@
 """When failing saves end training: a budget in count and in time.
 
-Saves that fail are tried again at the next interval while training goes on. Training
-stops (exit 73, "run again") only once both are spent:
+Training stops with exit 73 only once both are spent: ``checkpoint.max_failed_saves``
+saves in a row have failed, and none has committed for ``checkpoint.max_failed_saves_s``
+(before this start's first commit, counted from when its training began). Why both, and
+the bounds that follow: docs/RECOVERY.md, "When failing saves stop training".
 
-- ``checkpoint.max_failed_saves`` saves in a row have failed, and
-- no save has committed for ``checkpoint.max_failed_saves_s`` seconds (since this
-  start's training began, before its first commit).
-
-The count alone would end a job at a short interval within seconds of a storage outage
-(three failed saves at 10 steps of 0.3 s each), throwing away all the work since the
-newest commit while the storage comes back a moment later; the time alone would let a
-job at a long interval train for hours on nothing saved. With both, an outage shorter
-than ``max_failed_saves_s`` less one save interval never stops training, and a storage
-that stays broken stops it within ``max_failed_saves_s`` + one save interval + one failed
-save's time after the newest commit (or, when the count is the slower, at the
-``max_failed_saves``-th failed save). ``max_failed_saves_s: 0`` is the count alone, and
-``checkpoint.on_error: stop`` stops at the first failure.
-
-Every rank decides alike: the count comes from the step-boundary vote (the most failed
-saves on any rank), and the seconds without a commit from rank 0, which alone commits
-(``decide_on_rank0``), so that its clock is the one every rank uses.
+Every rank decides alike: the count is the step-boundary vote's (the most failed saves
+on any rank), the seconds rank 0's, which alone commits (``decide_on_rank0``).
 """
 
 from __future__ import annotations

@@ -1,19 +1,17 @@
 """Fixed-length windows of a tokenized corpus on disk: the default task's ``data.kind: tokens``.
 
 A token directory (written by ``python -m <package>.prepare_data``) holds flat token
-files, numpy ``uint16`` when the vocabulary fits and ``uint32`` otherwise, and a small
-``index.json`` (format, dtype, vocabulary size, separator, tokenizer, and the token and
-document count of each file). The files are read as one stream, in index order, and
-lazily: nothing is read before a sample asks for it, and a sample reads only its own
-window, with one positioned read (``os.pread``) per file it spans. Resident memory does
-not grow with the corpus: the bytes read pass through the page cache, which the kernel
-reclaims, but are never mapped into the process. (Memory-mapping the files was measured
-to do worse: the kernel maps whole large folios of page cache at each touch, so 500
-random windows of a 500 MB file added 428 MB of resident memory.)
+files (``uint16`` when the vocabulary fits, else ``uint32``) and ``index.json`` (format,
+dtype, vocabulary size, separator, tokenizer, each file's token and document count). The
+files are one stream in index order, read lazily: a sample reads only its own window,
+with one ``os.pread`` per file it spans, so resident memory does not grow with the
+corpus (the bytes pass through the page cache, never mapped into the process).
+Memory-mapping did worse: the kernel maps whole large folios at each touch, and 500
+random windows of a 500 MB file added 428 MB of resident memory.
 
-Sample i is the window of ``seq_len + 1`` tokens starting at ``i * seq_len``, as in
-``datasets/text.py``: inputs its first ``seq_len`` tokens, targets its last ``seq_len``.
-Windows run across document separators and file boundaries.
+Sample i is the ``seq_len + 1`` tokens from ``i * seq_len``, as in ``datasets/text.py``:
+inputs its first ``seq_len``, targets its last ``seq_len``. Windows run across document
+separators and file boundaries.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """The goodput ledger: where the wall-clock time of a run went, over every start.
 
-From the first start's process start to the run's last event, every second falls in one
-part, and the parts add up to the wall time:
+Every second from the first start's process start to the run's last event falls in one
+part (productive, rework, saving, eval, restart by phase, unaccounted), and the parts add
+up to the wall time. What each part holds, and how it maps to Google's and NVIDIA's
+goodput categories: docs/GOODPUT.md, "The ledger". Saving is the save events'
+``blocking_s`` + ``waited_s``, eval the eval events' ``eval_time_s``.
 
-    productive   steps that moved training past the furthest step any start had reached
-    rework       steps computed again after a restart (their work had been lost)
-    saving       time the loop was blocked by saves (``blocking_s`` + ``waited_s``, and the
-                 first save's wait for the checkpoint process of its start)
-    eval         evaluations (``eval_time_s``)
-    restart      from an end to the next start's first step, by phase: detection (the
-                 failure until the last rank had stopped), queue (until the next process
-                 began: the scheduler, the launcher), imports, rendezvous, build, load
-                 (choosing and loading the checkpoint), first_step
-    unaccounted  the rest: the stop and the teardown after the last step, logging, the
-                 seconds a crash took to be noticed when nothing recorded it
-
-How the parts map to the categories of Google's goodput package and NVIDIA's log-based
-goodput measurement is in docs/RECOVERY.md. With ``metrics.jsonl`` (``log.dir``) each
-step is placed by its own event; with the history alone (``log.dir`` lost) a start's
-training time is split into productive and rework by its steps, saving and eval are not
-told apart from training, and the restart phases are the start's first-step time.
+With ``metrics.jsonl`` (``log.dir``) each step is placed by its own event; from the
+history alone a start's training time is split into productive and rework by its steps,
+saving and eval stay inside it, and its restart phases are its first-step time.
 """
 
 from __future__ import annotations

@@ -2,32 +2,14 @@
 
     <checkpoint.dir>/history/start-<ms since the epoch>-<id>.json
 
-It lives in ``checkpoint.dir``, not ``log.dir``: it travels with the checkpoints, and a
-lost disk that held the logs does not take it along. Rank 0 writes its start's record
-(a ``HistorySink``, fed by the metrics log like the trackers) when the start is under
-way, rewrites it after the first step (the downtime phases), about every
-``HEARTBEAT_S`` while training (the step reached, so that a start killed without a
-word still says how far it got), at each committed checkpoint and at the end (how it
-ended). Each write replaces the whole object (local: a temporary file renamed into
-place; object stores: one PUT), so a record is complete or absent; a torn or foreign
-file is skipped by the reader, never fatal. ``keep_last`` retires ``step_*`` only,
-and neither ``verify`` nor checkpoint selection looks outside ``step_*``: the history is
-never deleted with the checkpoints.
-
-A record (``FORMAT`` 1):
-
-    id, started_at (this start's process began), restart (torchrun's in-place restart
-    count), world_size, resumed_step (the step loaded, 0 fresh), resumed_tier,
-    previous: how the start before this one ended, as this start learned it:
-        kind (KINDS), step (the step it reached), durable_step (the newest save it could
-        resume from: this start's resumed_step), steps_lost (step - durable_step),
-        ended_at (its end, or the last sign of life), detail,
-    phases: {phase: wall time} of this start (runtime/phases.py), first_step_at,
-    last_step, last_seen (the heartbeat), saves (committed checkpoints of this start),
-    end: {kind, step, status, reason, time}, written when the start ends on its own.
-
-The writes never block training: they run on a thread of their own, one at a time; a
-storage that refuses them costs one warning, not the run.
+This module names the records, reads them back (``read_history``), tells how the start
+before ended (``previous_end``), and writes them: rank 0's ``HistorySink``, fed by the
+metrics log as the trackers are, writes its start's record when the start is under way,
+after its first step, about every ``HEARTBEAT_S`` while training, at each commit and at
+the end, on a thread of its own, one write at a time, never blocking training. The
+record's fields (``FORMAT`` 1), why it lives in ``checkpoint.dir``, and why a record is
+complete or absent and never deleted with the checkpoints: docs/GOODPUT.md, "The
+interruption history".
 """
 
 from __future__ import annotations

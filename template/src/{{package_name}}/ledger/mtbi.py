@@ -1,19 +1,15 @@
 """The MTBI measured from the interruption history, with a 95 % interval.
 
-Interruptions are taken as a Poisson process of rate 1/M. With n interruptions seen over
-T seconds of exposure (time the job ran; the observation ends now, not at an
-interruption), the two-sided (1 - α) interval is
+Interruptions are a Poisson process of rate 1/M. From n of them over T seconds of
+exposure the estimate is T / n and the two-sided (1 - α) interval
 
-    M_low  = 2T / χ²(1 - α/2; 2n + 2)        M_high = 2T / χ²(α/2; 2n)   (n >= 1)
+    M_low = 2T / χ²(1 - α/2; 2n + 2)        M_high = 2T / χ²(α/2; 2n)   (n >= 1)
 
-and the estimate T / n; with n = 0 only the lower bound exists. χ²(p; k) is the p-quantile
-of the χ² distribution with k degrees of freedom. Both k here are even, k = 2m, where
-the distribution function has a closed form,
-
-    P(X <= x) = 1 - exp(-x/2) · Σ_{i<m} (x/2)^i / i!
-
-so the quantile is found by bisection, without SciPy. The shares (crashes, node losses)
-are counted among the interruptions the same way, as a count and a fraction.
+(docs/GOODPUT.md, "The measured MTBI"). χ²(p; k), the p-quantile of the χ² distribution
+with k degrees of freedom, has even k = 2m here, where its distribution function has a
+closed form, P(X <= x) = 1 - exp(-x/2) · Σ_{i<m} (x/2)^i / i!, so the quantile is found
+by bisection, without SciPy. The crash and node-loss shares are counted among the
+interruptions the same way, as a count and a fraction.
 """
 
 from __future__ import annotations

@@ -3,32 +3,11 @@
     python -m <package>.soak [--mtbi-seconds S] [--minutes M] [--seed N] [--ranks R]
                              [--intervals 0.5,1,2] [--out DIR] [--json] [key=value ...]
 
-1. calibrate    a short run measures the step time T, the save's stall δ and its commit
-                latency L; the plan's interval N = Daly(δ, M) / T for M = --mtbi-seconds
-                (interval/formulas.py), and train.max_steps is set so that the run
-                trains for about a third of --minutes, and for at least
-                MIN_TRAINING_MTBIS times M (faults must reach training, not only starts).
-2. reference    train.max_steps on R ranks, never interrupted.
-3. faults       for each interval multiplier m (--intervals; default 1): the same run at
-                round(m·N) steps between saves, under the same fault times: a Poisson
-                stream of rate 1/M drawn from --seed (times from the run's start), each
-                fault one of: kill -9 of one worker (torchrun restarts the workers in
-                place), SIGTERM of the whole job with its grace period (a preemption
-                with notice: exit 75), kill -9 of the whole job (a machine lost). The
-                soak restarts the job as a launcher does (``resume`` again) until it
-                finishes.
-4. judge        the final model and optimizer state of each run must equal the
-                reference's bit for bit (same world size); the goodput ledger of each
-                run (ledger/accounts.py) gives the measured badput, set beside the plan's
-                prediction for the same measured inputs, component by component.
-
-The prediction. Restarts and the unaccounted seconds (teardown, detection) are taken as
-measured: they are the model's input R, not its output. The model predicts the rest:
-saving δ/τ of the training time and, for each interruption that loses work (not a
-SIGTERM, which saves first), (τ + δ)/2 + L of rework. The tolerance is three standard
-deviations of that rework, (τ + δ)·√(n/12) for n such interruptions (each loses a
-uniform share of an interval), plus one percentage point for the timers; it is printed
-with every comparison, and shrinks with more interruptions (docs/RECOVERY.md).
+Calibrate (T, δ, L; the interval N = Daly(δ, M) / T), train a reference on R ranks, train
+again under a Poisson stream of faults at each ``--intervals`` multiple of N, and judge
+each run: its final state bit-identical to the reference's, its measured badput within
+the tolerance of the prediction (docs/GOODPUT.md, "The soak"). ``train.max_steps`` gives
+about a third of ``--minutes`` of training, and at least ``MIN_TRAINING_MTBIS`` MTBIs.
 
 Exit status: 0 every state exact and every measured badput within its tolerance; 1 not;
 2 bad arguments or configuration (nothing ran).

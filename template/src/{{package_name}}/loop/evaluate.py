@@ -1,22 +1,12 @@
 """Evaluation on held-out data: every sample once, whatever the number of ranks.
 
-The task may define ``build_eval_data(cfg)`` (a map-style dataset, like ``build_data``)
-and ``eval_metrics(model, batch) -> (loss, metrics)``; without the latter the task's
-``loss_and_metrics`` is used. ``eval_summary(means)`` may add figures derived from the
-whole evaluation's means (the default task's perplexity, exp of the mean loss). Evaluation runs under ``torch.no_grad()`` with the model in
-eval mode, then puts it back in training mode.
-
-Which samples: the first ``eval.max_batches x eval.micro_batch_size`` of the eval set
-(all of it with ``max_batches: 0``), dealt to the ranks in turn (sample i to rank
-i mod world size), so that no sample is seen twice and none is padded in. Each rank sums
-``loss x samples`` and every metric the same way in float64; one all-reduce at the end
-gives sample-weighted means that do not depend on how the samples were split, so an
-evaluation of one checkpoint agrees on 1, 2 or 4 ranks to rounding.
-
-A stop request (a preemption) ends an evaluation at the next batch boundary, agreed by
-all ranks with one small all-reduce per batch: it never eats the grace period. The
-evaluation of that step is then not reported, and the resumed run evaluates it first
-(the commit record says which step was last evaluated).
+It runs the task's ``build_eval_data`` samples through ``eval_metrics`` (default:
+``loss_and_metrics``) under ``torch.no_grad()`` in eval mode, then puts the model back in
+training mode, and adds the task's ``eval_summary`` figures. Samples are dealt to the
+ranks in turn and summed in float64, so one all-reduce gives sample-weighted means that
+agree on any number of ranks. A stop request ends an evaluation at the next batch (one
+small all-reduce per batch); that step's evaluation is then not reported, and the resumed
+run evaluates it first. The rules and settings: docs/EXTENDING.md, "Evaluation".
 """
 
 from __future__ import annotations

@@ -3,18 +3,12 @@
     torchrun --nproc-per-node 2 -m <package>.train [--config PATH] [key=value ...]
     python -m <package>.train [key=value ...]          (one process, no torchrun)
 
-Exit status: 0 finished, ``preemption.exit_code`` (75 by default) stopped by a
-preemption signal or notice (run again: the newest committed checkpoint holds the
-state), 73 the last state is not saved (the final checkpoint, or saves in a row,
-failed: fix the storage and run again), 79 starts keep failing without progress (do not
-retry: fix the cause), 2 bad configuration or a task that breaks its contract, 1
-crashed, 124 this rank's watchdog found a hung step. See docs/PREEMPTION.md and
-docs/RECOVERY.md.
-
-Under torchrun with ``--max-restarts`` (``recovery.max_restarts``) a crash or a hang
-restarts all workers in place; a status training decides (all of the above but 1 and
-124) must end the job instead, so local rank 0 then asks torchrun to stop (SIGTERM to
-it) before exiting, and ``resume`` reports the status from the ``end`` event.
+Exit status: 0 finished, ``preemption.exit_code`` (75) preempted, 73 the last state not
+saved, 79 no progress, 2 bad configuration or a task that breaks its contract, 1 crashed,
+124 this rank's watchdog found a hung step (docs/PREEMPTION.md, "Exit status", and
+docs/RECOVERY.md). A status training decided (all but 1 and 124) is never restarted in
+place: local rank 0 asks torchrun to stop (SIGTERM) before exiting, and ``resume``
+reports the status from the ``end`` event (docs/RECOVERY.md, "In-place restarts").
 """
 
 from __future__ import annotations

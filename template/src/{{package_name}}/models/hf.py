@@ -1,21 +1,14 @@
 """Any Hugging Face ``transformers`` causal language model: the default task's ``model.kind: hf``.
 
-Which model, exactly one of:
-
-- ``model.path``: a local directory with ``config.json``, and weights (``*.safetensors``
-  or ``pytorch_model*.bin``) when present; or a hub name that is already in the local
-  Hugging Face cache. Nothing is ever downloaded.
-- ``model.config_class``: a configuration class of transformers (``LlamaConfig``,
-  ``Qwen2Config``, ``GPT2Config``, ...) with its defaults: a model with fresh weights.
-
-``model.config`` overrides fields of that configuration (``model.config.num_hidden_layers=2``);
-a name the configuration class does not have is refused, naming the key. Weights are
-kept in fp32 (``train.precision: bf16`` computes in bf16 on CUDA, see distributed.py).
-
-Pretrained weights are loaded only when ``load_weights`` is true: the default task asks
-for them at the first start of a run only, and every later start loads the checkpoint.
-
-transformers is an optional dependency (``pip install -e '.[hf]'``), imported here only.
+Exactly one of ``model.path`` (a local directory with ``config.json``, and weights,
+``*.safetensors`` or ``pytorch_model*.bin``, when present; or a hub name already in the
+local cache: nothing is downloaded) and ``model.config_class`` (a configuration class of
+transformers with its defaults: fresh weights). ``model.config`` overrides fields of that
+configuration; a name the class lacks is refused, naming the key. Weights stay in fp32
+(``train.precision: bf16`` computes in bf16 on CUDA). Pretrained weights load only when
+``load_weights`` is true, which the default task asks at a run's first start only
+(docs/EXTENDING.md, "Train a Hugging Face model on your corpus"). transformers is an
+optional dependency (``pip install -e '.[hf]'``), imported here only.
 """
 
 from __future__ import annotations

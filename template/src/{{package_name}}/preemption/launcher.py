@@ -1,21 +1,13 @@
 """A worker whose launcher died stops within the grace period, and leaves nothing behind.
 
-torchrun started without ``--signals-to-handle`` dies of a SIGUSR1 (its default action),
-and any launcher can be killed outright; its workers are then re-parented (to PID 1 or a
-subreaper) and nobody will ever signal them. ``LauncherWatch`` is a thread that looks at
-the parent process every ``POLL_S``:
-
-1. when the parent is no longer the launcher, it asks for a stop (source
-   ``launcher-gone``): at the next step boundary every rank agrees, the save policy
-   drains the save in flight and commits a final checkpoint as on a preemption;
-2. if the process is still there ``grace_s`` after that (a step, a save or a collective
-   that never returns, an output pipe nobody reads any more), it ends it: child
-   processes (DCP's checkpoint process, DataLoader workers) first, then itself with
-   ``os._exit``. The newest committed checkpoint is untouched: a checkpoint counts only
-   once its commit record is written, so a save cut off here never counts.
-
-The hard end comes ``grace_s - MARGIN_S`` after the launcher was seen gone, so that at
-the default 30 s grace period no worker lives 30 s past its launcher.
+A launcher can die (torchrun without ``--signals-to-handle`` dies of a SIGUSR1; any can be
+killed), leaving its workers re-parented, never to be signalled. ``LauncherWatch`` is a
+thread that checks the parent every ``POLL_S``: once the launcher is gone it asks for a
+stop (source ``launcher-gone``), agreed by every rank at the next step boundary, with a
+final checkpoint as on a preemption. If the process is still there ``grace_s - MARGIN_S``
+later (stuck in a step, a save, a collective or a full output pipe), it ends its children
+(DCP's checkpoint process, DataLoader workers), then itself with ``os._exit``; a save cut
+off there never counts, having no commit record. docs/PREEMPTION.md, "Bounded waits".
 """
 
 from __future__ import annotations

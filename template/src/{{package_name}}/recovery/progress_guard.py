@@ -2,22 +2,14 @@
 
     <checkpoint.dir>/progress.json   {"newest_step", "failed_starts", "last_counted", "history"}
 
-At each start rank 0 learns how the previous start ended (``exits.cause``, which also
-says what the newest committed checkpoint was when that start began) and counts it when
-it failed (a crash, a hang, a rank that died while the others recorded it, or exit 73:
-its saves failed) without a newer step to restart from: a committed checkpoint or, with
-the memory tier, a memory copy of rank 0's state (``Checkpointer.newest_recoverable_step``).
-The count lives in this small file beside the checkpoints (through the Storage
-interface, so on an object store too), so it runs across in-place restarts by torchrun
-and new jobs from a scheduler alike. The file exists only while failures are being
-counted: the first start that finds a newer step removes it. Not counted: a start that ended with another status training
-decided (finished, preempted, refused, ...), and one where every rank died without a word
-(the machine or the whole job killed from outside, as a preemption without notice is).
-
-When ``recovery.max_attempts_without_progress`` failed starts are counted, the start
-refuses with exit status 79 (``NO_PROGRESS``): retrying cannot help until the cause is
-fixed, and every launcher stops (docs/RECOVERY.md). Remove the file, or raise the
-limit, to try again.
+At each start rank 0 learns from ``exits.cause`` how the previous start ended and what
+the newest committed checkpoint was when it began, and counts it when it failed without
+a newer step to restart from (``Checkpointer.newest_recoverable_step``: a commit or, with
+the memory tier, a memory copy of rank 0's state). The file goes through the Storage
+interface (object stores too) and exists only while failures are being counted. At
+``recovery.max_attempts_without_progress`` the start refuses with exit status 79
+(``NO_PROGRESS``). What counts, what does not, and how to try again: docs/RECOVERY.md,
+"No progress: stop asking to be retried".
 """
 
 from __future__ import annotations

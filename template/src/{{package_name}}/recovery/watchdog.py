@@ -1,18 +1,14 @@
 """The step watchdog: a rank whose step does not finish in time shows where it is stuck,
 then exits so that torchrun restarts the workers in place.
 
-A thread per rank. The trainer tells it when each step finishes; if none finishes
-within the bound, it writes every thread's stack to standard error (``faulthandler``:
-it works while the main thread is blocked inside a collective), calls ``on_hang`` (the
-``hang`` event and this rank's exit record) and leaves with exit status 124
-(``exit_codes.HUNG``). Any non-zero exit makes torchrun restart all workers from the
-newest committed checkpoint (``recovery.max_restarts``).
-
-The bound is ``recovery.step_timeout_s``, or, when that is 0, automatic: ``max(60 s,
-10 x the median step time)`` once 20 steps are measured. Until then, and always for the
-first step of a start (compilation, allocator warm-up, the first collective),
-``recovery.first_step_timeout_s``. A save has bounds of its own (``checkpoint.*``); the
-trainer widens the watchdog's for the step that starts one (``allow``).
+A thread per rank. The trainer tells it when each step finishes; if none finishes within
+the bound, it writes every thread's stack to standard error (``faulthandler``), calls
+``on_hang`` (the ``hang`` event and this rank's exit record) and exits with status 124
+(``exit_codes.HUNG``). The bound (``recovery.step_timeout_s``, automatic when 0;
+``recovery.first_step_timeout_s`` for a start's first step and until 20 steps are
+measured) and why it is shorter than the collective timeout: docs/RECOVERY.md, "Hung
+ranks: the step watchdog". The trainer widens it for a step that starts a save
+(``allow``).
 """
 
 from __future__ import annotations

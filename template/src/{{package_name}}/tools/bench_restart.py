@@ -2,22 +2,15 @@
 
     python -m <package>.bench --restart [--repeats 5] [--nproc N] [--json] [key=value ...]
 
-Each repeat runs the real thing with this project's own ``resume`` (launcher, torchrun,
-the trainer, the checkpointer), a warm start (``recovery.warm_start=true``) and a cold
-one in turn, each in a scratch directory of its own:
-
-1. **a stopped job**: ``resume`` is launched on the checkpoints of the repeat before (the
-   first repeat trains until its first checkpoint commits); seconds from the launch to
-   the first step of the new start;
-2. **a worker's death**: once that start has trained past a committed checkpoint, one
-   worker (rank 1, or rank 0 with one process) is killed with SIGKILL; torchrun restarts
-   the workers in place; seconds from the kill to the first new step;
-3. the job is stopped as a preemption would stop it (SIGTERM to ``resume``).
-
-It prints the median of each over ``--repeats`` and the median of every phase of those
-starts (``runtime/phases.py``), with the load average before and after. Not a timed
-test: a figure, measured on the machine it runs on. Exit status 0, 1 when a start did
-not reach its first step in time (the scratch logs say why), 2 bad input.
+Each repeat runs this project's own ``resume`` in a scratch directory, warm
+(``recovery.warm_start=true``) and cold in turn, and times two restarts: a stopped job
+resumed on the checkpoints of the repeat before (the first repeat trains to its first
+commit), launch to first step; and a worker (rank 1, or rank 0 alone) killed with
+SIGKILL once training is past a commit, kill to the first new step. Then it stops the
+job with SIGTERM. It prints the medians over ``--repeats``, the median of every phase
+and the load average before and after (docs/RECOVERY.md, "Where the seconds of a
+restart go"). A figure, not a timed test. Exit status 0, 1 when a start did not reach
+its first step in time (the scratch logs say why), 2 bad input.
 """
 
 from __future__ import annotations

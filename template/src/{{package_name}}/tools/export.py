@@ -4,24 +4,14 @@
                                [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
                                [--config PATH] [key=value ...]
 
-CHECKPOINT is a checkpoint directory (``.../step_000001200``); without it, the newest
-complete checkpoint in ``checkpoint.dir``. It runs on CPU in one process, without a
-process group or GPUs, whatever the number of ranks that saved the checkpoint: DCP
-reassembles each tensor from the shards. Only the model's weights are read (not the
-optimizer state), one output file at a time.
-
-``--format hf`` (runs of ``model.kind: hf``) writes ``config.json`` and
-``model.safetensors`` (above ``--max-shard-size``: ``model-0000i-of-0000N.safetensors``
-and ``model.safetensors.index.json``), written by DCP's ``HuggingFaceStorageWriter``,
-plus the tokenizer's files when the run's token data names a tokenizer directory:
-``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads it. The model section
-is the one the checkpoint was trained with (commit.json); ``model.*`` overrides on this
-command line change it (e.g. a ``model.path`` that moved). ``--format torch`` writes
-``DIR/model.pt``: ``torch.save`` of the weights by parameter name.
-
-Exit status: 0 written, 1 failed, 73 the checkpoint storage could not be reached, 2 bad
-input (storage that refuses the credentials, no checkpoint, bad arguments, a model
-configuration that does not match the checkpoint).
+CHECKPOINT is a checkpoint directory; without it, the newest complete one. It runs on CPU
+in one process (DCP reassembles each tensor from the shards) and reads only the model's
+weights, one output file at a time. ``--format hf`` (``model.kind: hf`` runs) writes
+through DCP's ``HuggingFaceStorageWriter`` with the model section the checkpoint was
+trained with (commit.json; ``model.*`` overrides change it). What each format writes:
+docs/EXTENDING.md, "Train a Hugging Face model on your corpus". Exit status: 0 written,
+1 failed, 73 the storage could not be reached, 2 bad input (refused credentials, no
+checkpoint, bad arguments, a model configuration that does not match the checkpoint).
 """
 
 from __future__ import annotations

@@ -5,22 +5,13 @@
                                      [--separator TOKEN] [--dtype auto|uint16|uint32]
                                      [--shard-tokens N]
 
-Documents: in a ``.jsonl`` file, one JSON object per line, its text under ``--text-key``
-(default ``text``); in any other file, runs of non-blank lines (newlines included)
-separated by blank lines. Empty documents are skipped. Each document's tokens are
-followed by the separator token, so the model sees where documents end; files and
-documents keep their order, whatever ``--workers``.
-
-Tokenizers: ``bytes`` needs nothing and maps byte b to token b (0-255), with 256 as the
-separator; otherwise a directory a tokenizer was saved to (``transformers.AutoTokenizer``
-when it has a tokenizer_config.json, else its ``tokenizer.json`` with ``tokenizers``), a
-``tokenizer.json`` file, or a hub name already in the local cache. Its end-of-text token
-is the separator unless ``--separator`` names another. Nothing is downloaded.
-
-Output: DIR/tokens_00000.bin, ... (flat numpy ``uint16`` when the vocabulary fits, else
-``uint32``; a new file every ``--shard-tokens`` tokens) and DIR/index.json, written last.
-Exit status: 0 done, 2 bad input (an unreadable file, a tokenizer that cannot be loaded,
-a vocabulary that does not fit the dtype); nothing is left in DIR then.
+Documents, separators, ``--tokenizer bytes`` and the exit status (0 done; 2 bad input,
+nothing left in DIR): docs/EXTENDING.md, "Train a Hugging Face model on your corpus".
+Empty documents are skipped; order is kept whatever ``--workers``. A tokenizer PATH is a
+saved directory (``transformers.AutoTokenizer`` with a tokenizer_config.json, else its
+``tokenizer.json`` through ``tokenizers``), a ``tokenizer.json`` file or a cached hub
+name. Output: DIR/tokens_00000.bin, ... (a new file every ``--shard-tokens`` tokens),
+then DIR/index.json.
 """
 
 from __future__ import annotations

@@ -5,17 +5,13 @@
     python -m <package>.verify /mnt/old-run/checkpoints     every checkpoint in a directory
     python -m <package>.verify s3://bucket/run [--config PATH] [key=value ...]
 
-Each checkpoint is checked as a load would check it, and more: commit.json, every
-listed file's size, its CRC-32 checksums (all of them, or a sample with
-``checkpoint.verify=sample``) and a ``.metadata`` that the restricted loader accepts.
-One table row per checkpoint: step, files, bytes, status, reason. Status ``ok``;
-``unverified`` (committed before checksums were recorded: sizes only);
-``uncommitted`` (a save that never finished: never loaded, not a failure); ``FAILED``.
-
-Exit status: 0 nothing failed (also when there is no checkpoint), 1 at least one
-checkpoint FAILED, 2 bad input (configuration, a path that does not exist or is not a
-checkpoint, storage that refuses the credentials), 73 the storage could not be reached
-for checkpoint.storage_retry_s (nothing was judged: run again).
+Each checkpoint is checked as a load would check it, and more (commit.json, sizes,
+CRC-32 checksums as ``checkpoint.verify`` says, a ``.metadata`` the restricted loader
+accepts), one table row each: docs/RESUMING.md, "Damaged bytes: checksums". Exit status:
+0 nothing failed (also with no checkpoint), 1 a checkpoint FAILED, 2 bad input
+(configuration, a path that does not exist or is not a checkpoint, refused credentials),
+73 the storage could not be reached for ``checkpoint.storage_retry_s`` (nothing judged:
+run again).
 """
 
 from __future__ import annotations

@@ -1,34 +1,16 @@
 """Experiment trackers (``log.trackers``), written by rank 0: one tracker run across
 every start of the job.
 
-The run's identity is kept in ``checkpoint.dir`` (``tracking.json``), so it moves with
-the checkpoints: every start that resumes them continues the same tracker run. Points a
-dead attempt logged after its newest checkpoint are superseded, not duplicated; each
-tracker has its own way:
-
-- TensorBoard: a start that resumes step s opens its writer with ``purge_step=s + 1``,
-  which TensorBoard's readers apply to the earlier files;
-- W&B: a start that continues the run rewinds it to step s (``resume_from``, W&B's
-  rewind), so the dead attempt's later points are dropped when the run reaches W&B.
-  W&B's client writes to disk (offline) or sends every half second here (its default
-  is 15 s); what it had not written when the job was killed without warning is lost
-  (on a loaded machine it falls behind: a killed attempt was seen to lose all its
-  points), the resumed run logs only the steps after its checkpoint;
-- MLflow keeps every point it is sent and cannot drop one, so a step's points are sent
-  once the checkpoint covering that step is committed (points follow the save interval).
-
-What goes where (scalar tags):
-
-- ``step`` events: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/<metric>``
-  (the task's metrics and the step's timings);
-- ``eval`` events: ``eval/loss``, ``eval/<metric>``;
-- ``save`` events: ``checkpoint/save_s`` (the write), ``checkpoint/blocking_s``,
-  ``checkpoint/commit_latency_s`` at the saved step;
-- ``preemption`` events: ``stop/signal_to_commit_s``, ``stop/grace_left_s`` at the stop's
-  step.
-
-A tracker that fails while training runs (a network error, a full disk) is dropped with
-one line on stderr; training goes on, and ``metrics.jsonl`` still has every event.
+The run's identity is kept in ``checkpoint.dir`` (``tracking.json``), so every start that
+resumes the checkpoints continues the same tracker run, and the points a dead attempt
+logged after its newest checkpoint are superseded, not duplicated: TensorBoard through
+``purge_step=s + 1`` for a start that resumes step s, W&B by rewinding the run to step s
+(``resume_from``), MLflow by sending a step's points only once a checkpoint covering it
+is committed. W&B's client writes or sends every half second here; points it had not yet
+written or sent when the job was killed are lost (on a loaded machine a killed attempt
+lost all of them). A tracker that fails is dropped with one line on stderr;
+``metrics.jsonl`` keeps every event. Tags, and where each tracker writes: README.md,
+"Track your runs".
 """
 
 from __future__ import annotations
