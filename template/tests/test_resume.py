@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import ROOT, gone, project_module, run_module, torchrun
+from conftest import PACKAGE, ROOT, gone, project_module, run_module, suite_env, torchrun
 
 CONFIG = str(ROOT / "configs" / "train.yaml")
 STEPS, RESUME_AT = 8, 4
@@ -137,6 +137,35 @@ def test_dry_run_on_an_empty_directory_prints_one_json_line(tmp_path):
         "world_size": 2, "grad_accum_steps": 4, "global_batch_size": 16}
     assert "starting fresh" in proc.stderr and "launch.agent" in proc.stderr
     assert not (tmp_path / "none").exists()     # a dry run creates nothing
+
+
+# What resume needs before torchrun starts: torch for the task's model, not DCP nor
+# torch._dynamo (seconds of CPU each, on the path of every job start).
+LEAN = """
+import sys
+from {package}.launch.supervisor import main
+code = main(["--dry-run", "checkpoint.dir={ckpt}", "recovery.warm_start=false"])
+heavy = ("torch.distributed.checkpoint", "torch._dynamo", "torch.distributed.tensor")
+print(code, *[name for name in heavy if name in sys.modules])
+"""
+
+
+def test_resume_imports_no_more_than_it_needs(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", LEAN.format(package=PACKAGE,
+                                                             ckpt=tmp_path / "none")],
+                          cwd=ROOT, env=suite_env(), capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.stdout.split("\n")[-2] == "0", proc.stdout + proc.stderr
+
+
+def test_a_model_built_on_meta_has_the_shapes_of_a_real_one():
+    contract = project_module("loop.task_contract")
+    task, cfg = contract.load_task(), project_module("config").load_config(None, list(SMALL))
+    real = task.build_model(cfg)
+    meta = contract.build_on_meta(lambda: task.build_model(cfg))
+    assert {k: (v.shape, v.dtype) for k, v in meta.state_dict().items()} == \
+        {k: (v.shape, v.dtype) for k, v in real.state_dict().items()}
+    assert all(v.is_meta for v in meta.state_dict().values())
 
 
 def test_dry_run_after_a_run_shows_the_new_accumulation(dropout_reference, capsys):

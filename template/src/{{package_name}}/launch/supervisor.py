@@ -41,7 +41,6 @@ from pathlib import Path
 
 from .. import PACKAGE
 from ..checkpoint import Committed, newest_complete_checkpoint, open_storage
-from ..checkpoint.load import compat
 from ..checkpoint.store.layout import check_storage
 from ..checkpoint.store.lease import Lease, LeaseHeld, scheduler_job_id
 from ..checkpoint.store.outage import command_failure, with_retries
@@ -58,7 +57,7 @@ from ..config import (
 from ..interval.inputs import configured_inputs
 from ..ledger.advice import mtbi_notice
 from ..loop.sampling import BatchSizeError, split_global_batch
-from ..loop.task_contract import check_config, load_task
+from ..loop.task_contract import build_on_meta, check_config, load_task
 from ..preemption import early
 from ..runtime import exit_codes, phases
 from ..runtime.torch_compat import torch_too_old
@@ -137,10 +136,10 @@ def _refuse_another_models_checkpoint(cfg: Config, storage: Storage,
     """
     if checkpoint.record.get("config", {}).get("model") == to_plain_dict(cfg).get("model"):
         return
-    import torch
+    from ..checkpoint.load import compat  # DCP's reader: imported only when it is needed
 
-    with torch.device("meta"):
-        model = load_task().build_model(cfg)
+    task = load_task()
+    model = build_on_meta(lambda: task.build_model(cfg))
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     try:
         saved = compat.saved_model_shapes(storage, checkpoint.name)

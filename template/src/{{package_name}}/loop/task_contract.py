@@ -135,15 +135,38 @@ def _with_context(build_model: Callable[..., nn.Module]) -> Callable[..., nn.Mod
     return build
 
 
+# Filling a tensor with values: on the meta device there are none, and torch's meta kernels
+# for some of them import torch._dynamo on first use (seconds of CPU that resume, which
+# checks the task's model before torchrun starts, would otherwise pay).
+_VALUE_FILLS = frozenset({"normal_", "uniform_", "trunc_normal_", "fill_", "zero_", "zeros_",
+                          "ones_", "constant_", "erfinv_", "clamp_", "exponential_",
+                          "bernoulli_", "random_", "log_normal_", "cauchy_", "geometric_"})
+
+
+class _NoMetaFills(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")   # torch.nn.init passes it by name
+        if (getattr(func, "__name__", "") in _VALUE_FILLS and isinstance(target, torch.Tensor)
+                and target.is_meta):
+            return target
+        return func(*args, **kwargs)
+
+
+def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """``build()`` on the meta device: the model's shapes, no memory and no initialisation."""
+    with torch.device("meta"), _NoMetaFills():
+        return build()
+
+
 def check_config(task: Task, cfg: Config) -> None:
     """Let the task refuse its configuration before anything runs (raises ConfigError).
 
-    The model is built on the meta device: no memory for weights, no time to initialise
-    them. Only ConfigError counts here; anything else is left for the run to report.
+    The model is built on the meta device (``build_on_meta``). Only ConfigError counts
+    here; anything else is left for the run to report.
     """
     try:
-        with torch.device("meta"):
-            task.build_model(cfg)
+        build_on_meta(lambda: task.build_model(cfg))
     except ConfigError:
         raise
     except Exception:  # noqa: BLE001, S110 - e.g. a model that cannot be built on meta

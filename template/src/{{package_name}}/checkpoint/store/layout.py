@@ -23,16 +23,16 @@ import logging
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
-
-from torch.distributed.checkpoint.metadata import Metadata
+from typing import TYPE_CHECKING, Any
 
 from ...runtime.distributed import decide_on_rank0
 from . import integrity
-from . import metadata as metadata_file
 from .errors import StorageError, StorageUnavailable, human_bytes, is_transient
 from .outage import with_retries
 from .storage import Storage, check_space, probe
+
+if TYPE_CHECKING:   # resume lists checkpoints without importing DCP
+    from torch.distributed.checkpoint.metadata import Metadata
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +233,8 @@ def verify_checkpoint(storage: Storage, name: str, verify: str = "all") -> Verdi
                       if check.unverified else "")
     if check.problem:
         return dataclasses.replace(verdict, status="FAILED", reason=check.problem)
+    from . import metadata as metadata_file  # DCP's classes: only this check needs them
+
     try:
         with storage.open_read(f"{name}/{METADATA_FILE}") as handle:
             metadata_file.load_metadata(handle, storage.path(f"{name}/{METADATA_FILE}"))
