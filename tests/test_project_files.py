@@ -235,6 +235,18 @@ def test_architecture_names_every_module_of_a_full_render(full_project):
     assert unnamed == [], "docs/architecture.md does not name these modules"
 
 
+
+def test_no_module_writes_an_error_line_by_hand(full_project):
+    """A command refuses by raising runtime/exit_codes.py's Refused; only exit_codes.py
+    writes the `error: ` line."""
+    source = full_project / "src" / package_of(full_project)
+    by_hand = [f"{path.relative_to(source)}:{number}: {line.strip()}"
+               for path in sorted(source.rglob("*.py"))
+               if path.relative_to(source) != Path("runtime/exit_codes.py")
+               for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+               if re.search(r"""["']error: """, line)]
+    assert by_hand == [], "raise Refused(sentence[, status]) instead"
+
 # checkpoint/'s wings, each importing only the ones after it (docs/architecture.md).
 WING_ORDER = ("memory", "save", "load", "store")
 

@@ -121,6 +121,27 @@ def test_bench_refuses_an_object_store_dir_instead_of_writing_a_local_folder(tmp
     assert list(tmp_path.iterdir()) == []          # no folder named "s3:" or anything else
 
 
+@pytest.mark.parametrize("command, args, said", [
+    ("plan", ["train.lr=-1"], "error: train.lr"),
+    ("verify", ["no/such/dir"], "error: no/such/dir does not exist"),
+])
+def test_a_refusal_is_one_error_line_and_exit_2(command, args, said):
+    """Every command refuses one way: it raises Refused, and exit_codes.refusals around
+    its main says the one line and ends with the status (2 here), without a traceback."""
+    proc = run_module(command, *args, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(said), proc.stderr
+    assert "Traceback" not in proc.stderr
+    exit_codes = project_module("runtime.exit_codes")
+
+    @exit_codes.refusals
+    def refuses(argv):
+        raise exit_codes.Refused(f"a sentence for {argv}", exit_codes.NOT_SAVED)
+
+    assert refuses(["x"]) == exit_codes.NOT_SAVED    # a refusal's own status, when it has one
+
+
 @pytest.mark.parametrize("command", ["train", "resume", "drill", "plan", "bench"])
 def test_commands_answer_help(command):
     proc = run_module(command, "--help")

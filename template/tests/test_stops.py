@@ -8,6 +8,9 @@ as an orphan.
 
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -92,3 +95,56 @@ def test_workers_stop_when_their_torchrun_dies(run_dirs, tmp_path):
     stop = read_events(logs, "preemption")[-1]
     assert stop["source"] == "launcher-gone"
     assert committed(run_dirs)[-1] == stop["stop_step"]
+
+
+# ------------------------------------------- a decided status ends the job --
+class _Watch:
+    def __init__(self, requested=None):
+        self.requested = requested
+
+
+class _Stop:
+    """What ``_no_restart_in_place`` reads of the StopCoordinator; ``torchrun_pid`` is a
+    sleeping child standing in for torchrun."""
+
+    def __init__(self, torchrun_pid, requested=None):
+        self.launcher_pid, self.torchrun_pid = os.getppid(), torchrun_pid
+        self.watch, self.signals_received = _Watch(requested), 0
+
+
+def _decide(local_rank, stop, decided_at):
+    job = project_module("loop.job")
+    runtime = type("Runtime", (), {"local_rank": local_rank})()
+    attempt = type("Attempt", (), {"restarts_left": 3})()
+    job._no_restart_in_place(73, stop, runtime, attempt, decided_at)
+
+
+def test_a_decided_status_asks_torchrun_to_stop_even_after_its_sigterm_came_back(tmp_path):
+    """Local rank 0 asks torchrun to stop though a SIGTERM reached it after the decision
+    (torchrun stopping the workers to restart them, another rank having exited first);
+    a signal from before the decision means torchrun is stopping already."""
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        request = project_module("preemption.watch").StopRequest
+        decided = time.time()
+        _decide(0, _Stop(stand_in.pid, request("SIGTERM", decided - 5)), decided)
+        assert stand_in.poll() is None            # signalled before: not asked again
+        _decide(0, _Stop(stand_in.pid, request("SIGTERM", decided + 0.5)), decided)
+        assert stand_in.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        stand_in.kill()
+
+
+def test_the_other_ranks_wait_for_torchrun_to_be_asked_before_they_exit(monkeypatch):
+    """A rank other than local rank 0 exits only once the SIGTERM of the ask came back
+    (bounded): exiting first, torchrun would take it for a crash and restart in place."""
+    job = project_module("loop.job")
+    monkeypatch.setattr(job, "ASK_WAIT_S", 1.5)
+    stop = _Stop(torchrun_pid=0)
+    began = time.monotonic()
+    _decide(1, stop, time.time())                 # nothing comes: waits out the bound
+    assert 1.4 < time.monotonic() - began < 5
+    began = time.monotonic()
+    threading.Timer(0.3, lambda: setattr(stop, "signals_received", 1)).start()
+    _decide(1, stop, time.time())
+    assert 0.25 < time.monotonic() - began < 1.4

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from ..config import Config, OnSaveError
 from ..runtime import exit_codes
 from ..runtime.distributed import Runtime, decide_on_rank0
+from ..runtime.exit_codes import Refused
 from ..runtime.metrics import MetricsLog
 from .final_save import StepBoundary
 from .load.restore import TrainingState, choose_and_load
@@ -41,14 +42,10 @@ if TYPE_CHECKING:   # the memory tier is rendered on request (copier answer memo
 __all__ = ["CheckpointRefused", "Checkpointer", "StepDecision", "TrainingState"]
 
 
-class CheckpointRefused(RuntimeError):
+class CheckpointRefused(Refused, RuntimeError):
     """checkpoint.dir cannot be used by this job: unusable storage or another job holds
     its lease (``status`` 2), or the storage stayed unreachable for
     checkpoint.storage_retry_s (73: run again). The message is one sentence."""
-
-    def __init__(self, message: str, status: int = exit_codes.BAD_INPUT) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class Checkpointer:

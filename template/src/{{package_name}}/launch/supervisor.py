@@ -60,6 +60,7 @@ from ..loop.sampling import BatchSizeError, split_global_batch
 from ..loop.task_contract import build_on_meta, check_config, load_task
 from ..preemption import early
 from ..runtime import exit_codes, phases
+from ..runtime.exit_codes import Refused, refusals
 from ..runtime.torch_compat import torch_too_old
 from . import reaper
 from .agent import watched
@@ -222,6 +223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@refusals
 def main(argv: list[str] | None = None, zygote: Started | None = None) -> int:
     """The command; ``zygote``: the one ``resume.py`` started ahead of its imports."""
     args = parse_args(argv)
@@ -270,15 +272,13 @@ def main(argv: list[str] | None = None, zygote: Started | None = None) -> int:
     # ValueError: the launch builder's refusals; RuntimeError: an object-store URL
     # whose driver is not installed.
     except (ConfigError, BatchSizeError, LeaseHeld, ValueError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(exc) from None
     except Exception as exc:
         failure = command_failure(exc, where)
         if failure is None:
             raise
         status, sentence = failure
-        print(f"error: {sentence}", file=sys.stderr)
-        return status
+        raise Refused(sentence, status) from None
 
     _say_measured_mtbi(cfg, storage)
     human = sys.stderr if args.dry_run else sys.stdout

@@ -26,6 +26,7 @@ from ..checkpoint.store.outage import ends_storage_errors
 from ..config import Config, ConfigError, load_config
 from ..interval.formulas import badput, badput_components
 from ..runtime import exit_codes
+from ..runtime.exit_codes import Refused, refusals
 from .accounts import PARTS, RESTART_PHASES, Ledger
 from .advice import measured, planned_inputs, run_ledger
 from .mtbi import MIN_COUNT, describe, duration, measure_mtbi
@@ -117,6 +118,7 @@ def format_ledger(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@refusals
 @ends_storage_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -124,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         ledger, result = measure(cfg)
     except (ConfigError, LookupError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(exc) from exc
     print(json.dumps(result) if args.json else format_ledger(result))
     if args.plot:
         from .plot import PlotUnavailable, plot_timeline

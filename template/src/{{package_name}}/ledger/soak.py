@@ -33,6 +33,7 @@ from ..config import ConfigError, load_config
 from ..interval.formulas import recommended_interval_steps
 from ..interval.inputs import Inputs, MetricsError, read_metrics
 from ..runtime import exit_codes
+from ..runtime.exit_codes import Refused, refusals
 from ..runtime.output_dirs import make_output_dir
 from .soak_run import FAULT_KINDS, Fault, SoakRunError, run_with_faults, start_job, wait_job
 
@@ -289,13 +290,13 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@refusals
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         load_config(args.config, args.overrides)   # refused here, before anything runs
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(exc) from exc
     out = args.out.resolve()
     make_output_dir(out)
     base = [*SMALL, *(["--config", args.config] if args.config else []), *args.overrides]

@@ -27,7 +27,6 @@ import torch.distributed as dist
 from .. import PACKAGE
 from ..checkpoint import (
     Checkpointer,
-    CheckpointRefused,
     CheckpointUnusable,
     Committed,
     IncompatibleCheckpoint,
@@ -50,13 +49,17 @@ from ..runtime.distributed import (
     setup,
     teardown,
 )
-from ..runtime.exit_codes import error_line
+from ..runtime.exit_codes import Refused, error_line, refusals, refuse
 from ..runtime.metrics import Event, MetricsLog, append_event
 from ..runtime.phases import Phase
 from ..runtime.torch_compat import torch_too_old
 from .sampling import BatchSizeError
 from .task_contract import load_task
 from .trainer import TaskError, Trainer
+
+# How long a rank other than local rank 0 waits, after a status training decided, for
+# the SIGTERM torchrun sends once local rank 0 has asked it to stop (_no_restart_in_place).
+ASK_WAIT_S = 10.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@refusals
 def main(argv: list[str] | None = None) -> int:
     phases.mark(Phase.imports_done)
     args = parse_args(argv)
@@ -79,12 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(exc) from exc
     too_old = torch_too_old()
     if too_old is not None:
-        print(f"error: {too_old}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(too_old)
 
     watch = PreemptionWatch(cfg.preemption.signals)
     watch.install()  # before anything slow, so an early signal is not lost
@@ -96,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runtime = setup(cfg.distributed.backend, cfg.recovery.collective_timeout_s)
     except BackendUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(exc) from exc
     phases.mark(Phase.rendezvous_done)
     # How the previous start ended, on every rank, before this one writes its own record.
     attempt = Attempt(cfg.log.dir, runtime.rank)
@@ -129,16 +130,17 @@ def main(argv: list[str] | None = None) -> int:
                                              continues=previous is not None)
             code, reason = _train(cfg, runtime, checkpointer, stop, watchdog, metrics, attempt,
                                   previous)
-        except CheckpointRefused as exc:
-            code, reason = _refuse(exc, exc.status)
+        except Refused as exc:   # CheckpointRefused, or _train's refusals
+            code, reason = refuse(exc), str(exc)
         except BaseException as exc:
             attempt.crashed(exc)
             metrics.event(Event.end, status=exit_codes.FAILED,
                           reason=f"crashed: {error_line(exc)}", restart=attempt.job_restart)
             raise
+        decided_at = time.time()
         attempt.ended(code, reason)
         metrics.event(Event.end, status=code, reason=reason, restart=attempt.job_restart)
-        _no_restart_in_place(code, stop, runtime, attempt)
+        _no_restart_in_place(code, stop, runtime, attempt, decided_at)
     finally:
         if poller is not None:
             poller.stop()
@@ -159,28 +161,31 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _refuse(reason: object, status: int = exit_codes.BAD_INPUT) -> tuple[int, str]:
-    print(f"error: {reason}", file=sys.stderr)
-    return status, str(reason)
-
-
 def _no_restart_in_place(code: int, stop: StopCoordinator, runtime: Runtime,
-                         attempt: Attempt) -> None:
+                         attempt: Attempt, decided_at: float) -> None:
     """A status training decided ends the job: torchrun, which restarts the workers in
     place on any non-zero exit, is asked to stop (SIGTERM: it then stops every worker
     and exits 1; ``resume`` reads the status from the ``end`` event).
 
     Local rank 0 asks, once per node, right after the decision and before its own
-    clean-up (its signal handler still counts the SIGTERM torchrun sends back). Not
-    needed when torchrun has no restart left, is gone, or was signalled itself (a
-    scheduler's or the user's signal reaches torchrun first: it is stopping already).
+    clean-up (its signal handler still counts the SIGTERM torchrun sends back); the
+    node's other ranks wait for that SIGTERM (at most ``ASK_WAIT_S``) before they exit,
+    since a rank that exited first would look like a crash and be restarted in place.
+    Not needed when torchrun has no restart left, is gone, or was signalled before the
+    decision (a scheduler's or the user's signal reaches torchrun first: it is stopping).
     """
     launcher = stop.launcher_pid
-    if (code == exit_codes.OK or runtime.local_rank != 0 or launcher is None
-            or os.getppid() != launcher or attempt.restarts_left == 0):
+    if (code == exit_codes.OK or launcher is None or os.getppid() != launcher
+            or attempt.restarts_left == 0):
         return
     request = stop.watch.requested
-    if request is not None and request.source.startswith("SIG"):
+    if request is not None and request.source.startswith("SIG") and \
+            request.wall_time <= decided_at:
+        return
+    if runtime.local_rank != 0:
+        heard, deadline = stop.signals_received, time.monotonic() + ASK_WAIT_S
+        while stop.signals_received == heard and time.monotonic() < deadline:
+            time.sleep(0.05)
         return
     print(f"exit status {code} was decided by training, not a failure: asking torchrun "
           f"(pid {stop.torchrun_pid}) to stop instead of restarting the workers in place "
@@ -206,27 +211,28 @@ def _guard_progress(cfg: Config, checkpointer: Checkpointer, attempt: Attempt,
 def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: StopCoordinator,
            watchdog: StepWatchdog, metrics: MetricsLog, attempt: Attempt,
            previous: dict[str, Any] | None) -> tuple[int, str]:
-    """Train; returns the exit status and, for the log, why."""
+    """Train; returns the exit status and, for the log, why. Raises Refused when the
+    job will not run (a task that breaks its contract, an unusable checkpoint)."""
     failed_starts, no_progress = _guard_progress(cfg, checkpointer, attempt, previous)
     if no_progress is not None:
         if runtime.is_main:
-            print(f"error: {no_progress}", file=sys.stderr, flush=True)
+            refuse(Refused(no_progress, exit_codes.NO_PROGRESS))
         metrics.say(f"exit status {exit_codes.NO_PROGRESS}: do not retry")
         return exit_codes.NO_PROGRESS, no_progress
     try:
         trainer = Trainer(cfg, load_task(), runtime, checkpointer, metrics, watchdog,
                           stop_requested=lambda: stop.requested)
     except (ConfigError, BatchSizeError) as exc:
-        return _refuse(exc)
+        raise Refused(exc) from exc
     phases.mark(Phase.model_built)
     attempt.progress = trainer.progress
     try:
         resumed = trainer.resume()
     except (IncompatibleCheckpoint, CheckpointUnusable) as exc:
-        return _refuse(exc)
+        raise Refused(exc) from exc
     refused = decide_on_rank0(lambda: _attach_trackers(cfg, checkpointer, metrics, resumed))
     if refused is not None:
-        return _refuse(refused)
+        raise Refused(refused)
     failed = previous is not None and previous["kind"] in FAILURES
     failed_at = previous.get("failed_at") if failed else None
     if runtime.is_main:   # this start's record in the interruption history (ledger/)
@@ -256,7 +262,7 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: Stop
     try:
         outcome = trainer.run()
     except TaskError as exc:
-        return _refuse(exc)
+        raise Refused(exc) from exc
     # Rank 0 commits after the others are done writing: nobody leaves before it has,
     # or a launcher that ends the job on the first exit could cut the commit off.
     if runtime.world_size > 1:

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..runtime.exit_codes import error_text
 from ..runtime.lifeline import TORCHRUN_ENV, say_if_heard
 from .watch import PreemptionWatch
 
@@ -92,6 +93,6 @@ def end_now(status: int, sentence: str) -> None:
             child.kill()
         except OSError:
             pass
-    say_if_heard(f"error: {sentence} (exit status {status})")   # nobody may read any more
+    say_if_heard(error_text(f"{sentence} (exit status {status})"))   # nobody may read any more
     time.sleep(0.1)  # the children's SIGKILL is delivered before their parent goes
     os._exit(status)

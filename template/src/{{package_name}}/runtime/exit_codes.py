@@ -6,7 +6,17 @@ A scheduler reads these: 0, ``BAD_INPUT`` and ``NO_PROGRESS`` end the job;
 for another run, which resumes from the newest committed checkpoint. ``HUNG`` is a worker's
 own status when its watchdog fires: torchrun restarts the workers in place on it, and a
 launcher never sees it (``resume`` reports torchrun's).
+
+A command refuses one way: it raises ``Refused`` (one sentence, and its status), and
+``refusals`` around its ``main`` turns that into the line ``error: <sentence>`` on stderr
+and the status, without a traceback.
 """
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
 
 OK = 0             # finished (train, resume), passed (drill, verify)
 FAILED = 1         # crashed, or a check failed (drill, verify)
@@ -34,3 +44,34 @@ def error_line(exc: BaseException, limit: int | None = 300) -> str:
     text = str(exc).strip().splitlines()
     line = f"{type(exc).__name__}: {text[-1].strip() if text else ''}".rstrip(": ")
     return line if limit is None or len(line) <= limit else line[:limit - 3] + "..."
+
+
+class Refused(Exception):
+    """A command will not run (or go on): ``message`` is one sentence, ``status`` the
+    exit status it ends with (BAD_INPUT unless said)."""
+
+    def __init__(self, message: object, status: int = BAD_INPUT) -> None:
+        super().__init__(str(message))
+        self.status = status
+
+
+def refuse(refusal: Refused) -> int:
+    """The one place a refusal is said: ``error: <sentence>`` on stderr; its status."""
+    print(error_text(str(refusal)), file=sys.stderr, flush=True)
+    return refusal.status
+
+
+def error_text(sentence: str) -> str:
+    return f"error: {sentence}"
+
+
+def refusals(main: Callable[..., int]) -> Callable[..., int]:
+    """A command's ``main(argv) -> int`` whose ``Refused`` ends it in its line and status."""
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs) -> int:
+        try:
+            return main(*args, **kwargs)
+        except Refused as exc:
+            return refuse(exc)
+
+    return wrapped

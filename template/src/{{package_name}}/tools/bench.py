@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +42,6 @@ from ..checkpoint.load.restore import load_checkpoint
 from ..checkpoint.save.dcp_planner import TrainingStatePlanner
 from ..config import AsyncMode, ConfigError, load_config, parts
 from ..loop.task_contract import load_task
-from ..runtime import exit_codes
 from ..runtime.distributed import (
     BackendUnavailable,
     Runtime,
@@ -52,6 +50,7 @@ from ..runtime.distributed import (
     setup,
     teardown,
 )
+from ..runtime.exit_codes import Refused, refusals
 from ..runtime.output_dirs import make_output_dir
 from ..runtime.torch_compat import torch_too_old
 from . import bench_restart
@@ -139,62 +138,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@refusals
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     for name in ("repeats", "train_steps", "interval", "nproc"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return exit_codes.BAD_INPUT
+            raise Refused(f"--{name.replace('_', '-')} must be >= 1")
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(exc) from exc
     too_old = torch_too_old()
     if too_old is not None:   # runtime/torch_compat.py, MIN_TORCH
-        print(f"error: {too_old}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(too_old)
     if args.restart:
         return bench_restart.main(cfg, args.overrides, repeats=args.repeats, nproc=args.nproc,
                                   as_json=args.json, directory=args.dir)
     if args.dir and "://" in args.dir:
-        print(f"error: --dir {args.dir}: bench measures a local path (its disk and read "
-              "bounds are local file operations); give a directory on the disk or mounted "
-              "filesystem to measure", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(f"--dir {args.dir}: bench measures a local path (its disk and read "
+                      "bounds are local file operations); give a directory on the disk or "
+                      "mounted filesystem to measure")
     mode = AsyncMode(cfg.checkpoint.async_mode)
     if mode == AsyncMode.sync:
-        print("error: bench measures background saves: checkpoint.async_mode must be "
-              "process or thread", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused("bench measures background saves: checkpoint.async_mode must be "
+                      "process or thread")
     try:
         runtime = setup(cfg.distributed.backend)
     except BackendUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(exc) from exc
     try:   # a --dir made here ignores itself in git
         root = Path(decide_on_rank0(lambda: str(make_output_dir(args.dir)) if args.dir
                                     else tempfile.mkdtemp(prefix="bench-")))
     except OSError as exc:
-        print(f"error: --dir {args.dir}: {(exc.strerror or str(exc)).lower()}", file=sys.stderr)
         teardown()
-        return exit_codes.BAD_INPUT
+        raise Refused(f"--dir {args.dir}: {(exc.strerror or str(exc)).lower()}") from exc
     bench = None
     try:
         try:
             task = load_task()   # a task that breaks its contract: one line, exit 2
             began = time.perf_counter()
             bench = build_trainer(bench_config(cfg, root / "async"), task, runtime)
-        except (ConfigError, CheckpointRefused) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return exit_codes.BAD_INPUT
+        except (ConfigError, CheckpointRefused) as exc:   # exit 2, whatever its status
+            raise Refused(exc) from exc
         warm_up_s = time.perf_counter() - began
         pipeline = bench.checkpointer.pipeline
         if any_rank(bench.checkpointer.synchronous)[0]:
-            print(f"error: {pipeline.last_error or 'the checkpoint process did not start'}",
-                  file=sys.stderr)
-            return exit_codes.BAD_INPUT
+            raise Refused(pipeline.last_error or "the checkpoint process did not start")
         if args.train_steps is not None:
             report = measure_throughput(
                 bench, args.train_steps, args.interval or cfg.checkpoint.interval_steps,

@@ -31,6 +31,7 @@ from .. import PACKAGE
 from ..config import Config
 from ..recovery.attempts import read_records
 from ..runtime import exit_codes
+from ..runtime.exit_codes import Refused
 from ..runtime.metrics import Event, read_events
 from ..runtime.output_dirs import make_output_dir
 from ..runtime.phases import ORDER, Phase
@@ -232,10 +233,9 @@ def _fmt(value: float | None) -> str:
 
 def main(cfg: Config, overrides: list[str], *, repeats: int, nproc: int, as_json: bool,
          directory: str | None) -> int:
-    if "WORLD_SIZE" in os.environ:
-        print("error: bench --restart launches its own jobs: run it with python -m "
-              f"{PACKAGE}.bench --restart, not under torchrun", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+    if "WORLD_SIZE" in os.environ:   # bench's main says it (exit_codes.refusals)
+        raise Refused("bench --restart launches its own jobs: run it with python -m "
+                      f"{PACKAGE}.bench --restart, not under torchrun")
     scratch = (make_output_dir(directory) if directory   # a new one ignores itself in git
                else Path(tempfile.mkdtemp(prefix="bench-restart-")))
     say = (lambda *a, **k: None) if as_json else print
@@ -243,8 +243,7 @@ def main(cfg: Config, overrides: list[str], *, repeats: int, nproc: int, as_json
     try:
         report = run(cfg, overrides, repeats=repeats, nproc=nproc, scratch=scratch, say=say)
     except RestartFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.FAILED
+        raise Refused(exc, exit_codes.FAILED) from exc
     if directory is None:
         shutil.rmtree(scratch, ignore_errors=True)
     print(json.dumps(report) if as_json else text(report))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import signal
-import sys
 import time
 from importlib import import_module
 from pathlib import Path
@@ -30,6 +29,7 @@ from ..launch.torchrun import positive_int
 from ..loop.sampling import BatchSizeError, split_global_batch
 from ..loop.task_contract import check_config, load_task
 from ..runtime import exit_codes
+from ..runtime.exit_codes import Refused, refusals
 from ..runtime.metrics import EventTail
 from ..runtime.output_dirs import IGNORE_FILE, make_output_dir
 from ..runtime.process_tree import kill_tree
@@ -222,14 +222,14 @@ def prepare_out(out: Path) -> None:
                               "replaced by the next drill run\n")
 
 
+@refusals
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         drill = prepare(args)
         prepare_out(drill.out)
     except (ConfigError, BatchSizeError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(exc) from exc
     try:
         # --tier memory: the memory tier's drill (prepare checked that it is rendered).
         report = (import_module(".drill_memory", __package__).run(drill)

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import re
 import shutil
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from ..checkpoint.store.storage import Storage
 from ..config import ConfigError, load_config, task_section
 from ..models.hf import HFConfig, hf_config, transformers_module
 from ..runtime import exit_codes
+from ..runtime.exit_codes import Refused, refusals
 
 MODEL_PREFIX = "app.model."  # where checkpoint/state.py keeps the model's weights
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -304,12 +304,12 @@ def export(args: argparse.Namespace) -> str:
             f"transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
 
 
+@refusals
 @ends_storage_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         print(export(args))
     except (ConfigError, ExportError, UnsafeCheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(exc) from exc
     return exit_codes.OK

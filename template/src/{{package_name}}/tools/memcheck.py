@@ -30,6 +30,7 @@ from ..config import ConfigError, load_config
 from ..datasets.tokens import FORMAT, INDEX_FILE, VERSION
 from ..launch.torchrun import positive_int
 from ..runtime import exit_codes
+from ..runtime.exit_codes import Refused, refusals
 from ..runtime.output_dirs import ignore_in_git, make_output_dir
 from .export import parse_size
 
@@ -98,17 +99,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@refusals
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sizes = args.sizes or [parse_size("200MB"), parse_size("2GB")]
     if not Path("/proc/self/status").exists():
-        print("error: memcheck reads /proc (Linux only)", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused("memcheck reads /proc (Linux only)")
     try:  # configs/train.yaml and the overrides, before any token data is written
         load_config(None, args.overrides)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(exc) from exc
     root = Path(tempfile.mkdtemp(prefix="memcheck-",
                                  dir=make_output_dir(args.dir) if args.dir else None))
     ignore_in_git(root)   # removed at the end; meanwhile (or after a kill) never in git

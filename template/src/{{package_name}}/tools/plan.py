@@ -46,7 +46,7 @@ from ..ledger.advice import measured as ledger_measured
 from ..ledger.command import summarize
 from ..ledger.mtbi import describe as describe_mtbi
 from ..ledger.report import render_ledger_section
-from ..runtime import exit_codes
+from ..runtime.exit_codes import Refused, refusals
 
 # Without a flag or a config: assumptions (half of the interruptions are crashes, a fifth
 # node losses) and the default node count (one node, so the job's MTBI is the node's).
@@ -133,6 +133,7 @@ def read_config(path: str | None, overrides: list[str]) -> Config | None:
     return load_config(path, overrides)  # ConfigError names the key at fault
 
 
+@refusals
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -144,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = read_config(args.config, args.overrides)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(exc) from exc
     config_path = args.config or str(DEFAULT_CONFIG)
 
     measured = None

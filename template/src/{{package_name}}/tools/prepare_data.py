@@ -32,7 +32,7 @@ import numpy as np
 from .. import PACKAGE
 from ..datasets.tokens import DTYPES, FORMAT, INDEX_FILE, VERSION, dtype_fits, dtype_for
 from ..launch.torchrun import positive_int
-from ..runtime import exit_codes
+from ..runtime.exit_codes import Refused, refusals
 from .tokenizer import BYTES, PrepareError, Tokenizer, load_tokenizer
 
 CHUNK_CHARS = 1 << 20          # text handed to a worker at a time
@@ -286,6 +286,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@refusals
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     created = False
@@ -314,8 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.out.is_dir() and not (args.out / INDEX_FILE).exists():
             for leftover in args.out.glob("tokens_*.bin"):
                 leftover.unlink()
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(exc) from exc
     print(f"wrote {index['tokens']:,} tokens ({index['documents']:,} documents) in "
           f"{len(index['files'])} file(s) to {args.out} ({index['dtype']}, vocabulary "
           f"{index['vocab_size']:,}, separator {index['separator']})")

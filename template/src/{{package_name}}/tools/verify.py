@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from ..checkpoint.store.outage import ends_storage_errors, with_retries
 from ..checkpoint.store.storage import open_storage
 from ..config import OBJECT_STORE_SCHEMES, ConfigError, VerifyMode, load_config
 from ..runtime import exit_codes
+from ..runtime.exit_codes import Refused, refusals
 
 _OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
 
@@ -60,6 +60,7 @@ def _split(target: str) -> tuple[str, str | None]:
     return stripped or "/", None
 
 
+@refusals
 @ends_storage_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -67,26 +68,22 @@ def main(argv: list[str] | None = None) -> int:
         target, overrides = _target(args.items)
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(exc) from exc
     mode = "sample" if cfg.checkpoint.verify == VerifyMode.sample else "all"
     root, single = _split(target if target is not None else cfg.checkpoint.dir)
     is_url = root.startswith(tuple(f"{s}://" for s in OBJECT_STORE_SCHEMES))
     if not is_url and not Path(root.removeprefix("file://")).is_dir():
         what = "does not exist" if not Path(root).exists() else "is not a directory"
-        print(f"error: {target or f'checkpoint.dir={root}'} {what}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(f"{target or f'checkpoint.dir={root}'} {what}")
     try:
         storage = open_storage(root)
         names = with_retries(lambda: layout.checkpoint_names(storage), root,
                              cfg.checkpoint.storage_retry_s)
     except RuntimeError as exc:   # an object-store URL whose driver is not installed
-        print(f"error: cannot read {root}: {exc}", file=sys.stderr)
-        return exit_codes.BAD_INPUT
+        raise Refused(f"cannot read {root}: {exc}") from exc
     if single is not None:
         if single not in names:
-            print(f"error: {storage.path(single)} does not exist", file=sys.stderr)
-            return exit_codes.BAD_INPUT
+            raise Refused(f"{storage.path(single)} does not exist")
         names = [single]
     if not names:
         print(f"no checkpoints in {storage}")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ...runtime import exit_codes
-from ...runtime.exit_codes import error_line
+from ...runtime.exit_codes import Refused, error_line
 from .errors import StorageError, StorageUnavailable, causes, is_transient, store_cause
 
 T = TypeVar("T")
@@ -67,17 +67,18 @@ def command_failure(exc: BaseException, where: str) -> tuple[int, str] | None:
 
 
 def ends_storage_errors(main: Callable[..., int]) -> Callable[..., int]:
-    """A command's ``main`` whose storage errors end it in one sentence on stderr and
-    ``command_failure``'s status instead of a traceback."""
+    """A command's ``main`` whose storage errors are refusals: ``command_failure``'s
+    sentence and status. Goes under ``exit_codes.refusals``, which says them."""
     @functools.wraps(main)
     def wrapped(argv: list[str] | None = None) -> int:
         try:
             return main(argv)
+        except Refused:
+            raise
         except Exception as exc:
             failure = command_failure(exc, "the checkpoint storage")
             if failure is None:
                 raise
-            print(f"error: {failure[1]}", file=sys.stderr, flush=True)
-            return failure[0]
+            raise Refused(failure[1], failure[0]) from exc
 
     return wrapped
