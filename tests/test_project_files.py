@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 from pathlib import Path
@@ -224,6 +225,27 @@ def test_extending_names_every_folder_and_command_of_the_package(which, request)
     commands = {p.stem for p in source.glob("*.py")} - {"__init__", "task"}
     listed = set(re.findall(r"`(\w+)`", section.split("Each folder", 1)[0]))
     assert commands <= listed, commands - listed
+
+
+# A module docstring says what the module holds and why, and points to docs/ for the rest.
+MAX_MODULE_DOCSTRING_LINES = 15
+
+
+@pytest.mark.parametrize("which", ["default_project", "full_project"])
+def test_every_module_docstring_is_at_most_15_lines(which, request):
+    """Counting the opening and closing quote lines; design prose belongs in docs/."""
+    project = request.getfixturevalue(which)
+    too_long = []
+    for path in sorted((project / "src").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        first = tree.body[0] if tree.body else None
+        if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)):
+            lines = first.end_lineno - first.lineno + 1
+            if lines > MAX_MODULE_DOCSTRING_LINES:
+                too_long.append(f"{path.relative_to(project)}: {lines} lines")
+    assert too_long == [], (f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines "
+                            f"(point to docs/ instead): {too_long}")
 
 
 def test_architecture_names_every_module_of_a_full_render(full_project):

@@ -2,25 +2,15 @@
 
     python -m <package>.launch.agent [--orphan-signal=NAME] <torchrun's arguments>
 
-torchrun (``torch.distributed.run``) answers SIGTERM, SIGINT or a forwarded SIGUSR1 by
-stopping its workers and raising ``SignalException``, whose traceback is printed after
-the workers' clean save: the user sees a crash where there was none. This entry runs the
-same ``main`` and turns that one exception into one line; its exit status stays
-torchrun's (1), which ``resume`` translates (``launch/verdict.py``). Every other
-error keeps its traceback.
-
-It takes torchrun's arguments on every torch release this project runs on: where
-torchrun has no ``--shutdown-timeout`` (before 2.12), the agent applies it itself
-(``runtime/torch_compat.py``), so a forwarded signal gives the workers their whole grace
-period. ``resume --dry-run`` prints this command.
-
-Started by ``resume``, it watches ``resume`` as the workers watch the agent
-(``preemption/launcher.py``): ``resume`` puts ``--orphan-signal=NAME`` (the first of
-``preemption.signals``) first, and once ``resume`` is gone the agent gives itself that
-signal, which torchrun forwards to the workers as it forwards a scheduler's; they commit
-a final checkpoint within the grace period and exit, and so does the agent. Nobody is
-left training headless. (The command ``resume --dry-run`` prints has no such option: run
-by hand, under ``nohup`` say, it trains on after the shell that started it has gone.)
+It runs torchrun's ``main`` and turns the ``SignalException`` torchrun raises after a
+clean stop into one line; every other error keeps its traceback, and the exit status
+stays torchrun's (1), which ``resume`` translates (``launch/verdict.py``). It takes
+torchrun's arguments on every torch release the project runs on (docs/EXTENDING.md,
+"Torch releases"). Started by ``resume``, which puts ``--orphan-signal=NAME`` (the first
+of ``preemption.signals``) first, it gives itself that signal once ``resume`` is gone,
+and torchrun forwards it: the workers save and exit within the grace period. Run by hand
+(the command ``resume --dry-run`` prints) it does not watch its shell. docs/PREEMPTION.md,
+"Bounded waits" and the table of processes killed outright.
 """
 
 import os

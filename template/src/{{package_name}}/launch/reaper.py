@@ -2,17 +2,13 @@
 
 On Linux ``resume`` makes itself the child subreaper of its launch
 (``prctl(PR_SET_CHILD_SUBREAPER)``): a process of the launch whose parent dies is
-re-parented to ``resume``, not to init. When torchrun's agent is killed (an
-out-of-memory killer, a stray ``kill -9``), its workers come to ``resume``; they notice
-that their launcher is gone, commit a final checkpoint and exit within the grace period
-(``preemption/launcher.py``). ``resume`` waits for them and reaps them before it judges
+re-parented to ``resume``, not to init. The workers of a killed agent commit a final
+checkpoint and exit (``preemption/launcher.py``); the checkpoint process of a killed
+worker ends on its own (``runtime/lifeline.py``). ``resume`` reaps them before it judges
 the launch, so its exit status says what they did, and nothing of the old launch still
-writes into ``checkpoint.dir`` when the scheduler starts the next one. A checkpoint
-process whose worker was killed comes to ``resume`` too; it ends on its own
-(``runtime/lifeline.py``), and ``resume`` reaps it.
-
-The wait is bounded (``shutdown_timeout_s``: the grace period and a margin); what is
-still running then is killed, and named.
+writes into ``checkpoint.dir`` when the scheduler starts the next one. The wait is
+bounded (``shutdown_timeout_s``: the grace period and a margin); what is still running
+then is killed, and named (docs/PREEMPTION.md, the table of processes killed outright).
 """
 
 from __future__ import annotations

@@ -5,25 +5,10 @@
                                [--rdzv-conf KEY=VALUE,...] [--config PATH]
                                [--dry-run] [key=value ...]
 
-It finds the newest checkpoint that committed completely (damaged ones are skipped with
-a warning), prints what changes (world size, gradient accumulation) and what does not
-(step, global batch), then runs torchrun with the training command. Launchers and
-schedulers call this script, so a restart after a preemption is always the same line,
-whatever the number of GPUs the new allocation has.
-
-``--nproc-per-node auto`` means the number of CUDA GPUs of this node, or 1 without CUDA
-(torchrun's own ``auto`` would take every CPU core, which rarely divides the batch).
-
-Exit status: 0 training finished; ``preemption.exit_code`` (75 by default) training was
-preempted and can be resumed: run this script again; 2 bad configuration or a world
-size that cannot keep the global batch (nothing was started); 73 the last state is not
-saved; 74 several nodes, and one of them was lost (the others stopped; run again);
-79 starts keep failing without progress: do NOT run it again before the cause is fixed
-(docs/RECOVERY.md); 130 stopped by the user; otherwise torchrun's status (1:
-workers crashed more often than ``recovery.max_restarts`` in-place restarts allow;
-128+N: torchrun was killed by signal N).
-
-How torchrun's status becomes one of these is in ``launch/verdict.py``.
+It skips damaged checkpoints, prints what changes and what does not, and runs torchrun
+with the training command: launchers and schedulers call it, so a restart is always the
+same line (docs/RESUMING.md). Its exit statuses: docs/PREEMPTION.md, "Exit status:
+finished, preempted, crashed"; torchrun's status becomes one in ``launch/verdict.py``.
 """
 
 from __future__ import annotations
@@ -185,7 +170,8 @@ def node_count(value: str) -> int:
 
 
 def auto_nproc() -> int:
-    """CUDA GPUs of this node, else one process (see the module docstring)."""
+    """CUDA GPUs of this node, else one process (torchrun's own auto would take every CPU
+    core, which rarely divides the batch)."""
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 1

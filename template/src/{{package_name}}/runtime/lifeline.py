@@ -1,26 +1,16 @@
 """A child process of a training worker ends within a second of the worker's death.
 
-A worker starts children of its own: DCP's background checkpoint process (spawned: a
-new Python that imports this package's command as ``__mp_main__``) and DataLoader
-workers (forked, or spawned with ``loader.start_method``). Killed with SIGKILL, the
-worker can stop none of them; re-parented, a checkpoint process was seen alive 7 minutes
-later, holding its memory and retrying its connection to the dead worker's store. So
-each child watches the process above it: a thread looks at its parent every ``POLL_S``
-and ends the child with ``os._exit`` once the parent has changed, whatever the child is
-doing (starting, idle, writing). A save cut off so is never committed: only the worker
-commits, after every shard is written.
-
-This module imports nothing heavy: a spawned child starts watching before it imports
-torch (the first second or two of its life).
-
-- ``hand_down()``, in the worker before it starts any child: its pid goes into the
-  environment children inherit, so that a spawned child which finds itself orphaned
-  before its first look (the worker died while the child was starting) ends at once.
-- ``follow_parent()``, in the child: the watch (``on_parent_gone``, which the agent uses
-  to watch ``resume`` too). With ``stop_signals``, a stop signal ends the child only when
-  its parent sends it: the worker's stop path decides, not a signal to the whole group.
-- ``say_if_heard(line)``: one line to stderr when it can take it now, never blocking
-  (a process ending because the one above it is gone may have nobody reading).
+A worker's children (DCP's background checkpoint process, spawned: a new Python that
+imports this package's command as ``__mp_main__``; DataLoader workers) outlive a worker
+killed with SIGKILL: re-parented, a checkpoint process was seen alive 7 minutes later,
+holding its memory and retrying its connection to the dead worker's store. So each child
+watches the process above it: a thread looks every ``POLL_S`` and ends the child with
+``os._exit`` once its parent has changed, whatever it is doing; a save cut off so is
+never committed (only the worker commits). The calls: ``hand_down`` in the worker,
+``follow_parent`` and ``say_if_heard`` in the child; ``on_parent_gone`` also lets the
+agent watch ``resume``. This module imports nothing heavy: a spawned child starts
+watching before it imports torch. docs/PREEMPTION.md, "What happens" (the drain) and the
+table of processes killed outright.
 """
 
 from __future__ import annotations

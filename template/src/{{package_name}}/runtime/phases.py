@@ -3,28 +3,15 @@
     phases.mark(Phase.model_built)       # in the start path, once per phase
     phases.report(previous)              # rank 0, after the first step: the timeline
 
-The timeline of a start, in order (wall-clock times, so that a phase that ended in
-another process still counts):
-
-    failure_detected   the previous start's failure was first recorded (a rank's crash,
-                       hang or exit record; none after a clean stop)
-    workers_stopped    the last rank of the previous start had ended (its exit record)
-    process_started    this worker process began (the kernel's start time)
-    imports_done       the command's modules are imported (torch among them)
-    rendezvous_done    the process group is up: every rank of this start has arrived
-    model_built        the task's model, data and optimizer are built
-    checkpoint_chosen  rank 0 has picked the checkpoint to load (or found none)
-    loaded             the checkpoint is loaded into the model and optimizer
-    first_step         the first optimizer step of this start is done
-    checkpoint_process_ready   the background checkpoint process is up: off the path to
-                       the first step (it starts while the first steps train), logged by
-                       the save policy when the first save waits for it, with the
-                       seconds since it was started and ``off_the_path: true``
-
-Each ``phase`` event in metrics.jsonl carries the phase, its time ``at`` and
-``duration_s``, the time since the phase before it that was recorded. A start after a
-clean stop has no failure phases; ``resume --dry-run`` and ``plan`` print the newest
-start's breakdown (``breakdown``).
+The phases in order, and the ``phase`` events in metrics.jsonl (the phase, its time
+``at``, ``duration_s`` since the phase recorded before it): docs/RECOVERY.md, "Where the
+seconds of a restart go". Times are wall-clock, so that a phase that ended in another
+process still counts: ``failure_detected`` and ``workers_stopped`` come from the
+previous start's crash, hang or exit records (none after a clean stop);
+``process_started`` is the kernel's start time. ``checkpoint_process_ready`` is off the
+path to the first step: the save policy logs it when the first save waits for it, with
+the seconds since it was started. ``resume --dry-run`` prints the newest start's
+breakdown (``breakdown``).
 """
 
 from __future__ import annotations

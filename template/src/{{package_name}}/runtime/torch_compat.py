@@ -1,47 +1,10 @@
 """Every difference between the torch releases this project runs on, in one place.
 
-The project runs on torch 2.9 and later (pyproject.toml admits NVIDIA's builds such as
-``2.12.0a0+<commit>`` too); CI tests 2.9.0 (the floor), 2.11.0 (what GPU images ship),
-2.13.0 (the pinned release of the whole suite) and 2.15.0. No other module reads torch's
-version or asks which release it runs on: each difference is answered here, by
-behaviour wherever a build can carry a fix its version number does not show (NGC builds
-are named after the next release and hold patches from after the last one).
-
-======================  ==========================  ===========================================
-what differs            where                       what the harness does
-======================  ==========================  ===========================================
-The oldest release      2.9: ``DefaultStager``,      ``torch_too_old``: train, resume and bench
-with every API used     ``StagingOptions``,          refuse an older torch with exit 2 and one
-                        ``AsyncSaveResponse``        sentence. The numeric release is compared,
-                        (process ``async_save``      so ``2.12.0a0+git…`` is 2.12.
-                        and plan caching 2.7,
-                        FSDP2 ``fully_shard`` 2.6)
-A reused stager fails   2.11 and 2.12.0 (PR          ``stager_closes_after_each_stage`` (a probe:
-on its second save      #170431 made                 two stages of a tiny dict through one
-                        ``DefaultStager._stage``     stager, about 1 ms). Where it does, the
-                        close its state-dict         ReusingStager (checkpoint/save/staging.py)
-                        stager after every stage;    keeps its state-dict stager open between
-                        that clears the deep-copy    stages and closes it at shutdown only, so
-                        table: ``KeyError: <class    every background save stays background.
-                        'type'>`` for any state      A closed stager fails on reuse on every
-                        dict; pytorch #183413,       release: close only at shutdown.
-                        fixed in 2.13.0 by PR
-                        #183424)
-torchrun has no         2.9 (the flag and            ``torchrun_arguments``: the agent
-``--signals-to-handle`` ``TORCHELASTIC_SIGNALS_TO_   (launch/agent.py) takes the flag out where
-                        HANDLE`` came in 2.10): it   torchrun does not know it and installs
-                        forwards SIGTERM, SIGINT,    torchrun's own handler for the signals it
-                        SIGHUP and SIGQUIT only;     names, so SIGUSR1 (Slurm's warning) is
-                        a SIGUSR1 kills it           forwarded like SIGTERM.
-torchrun has no         before 2.12 (PR #172596)     ``torchrun_arguments``: the agent takes
-``--shutdown-timeout``  the agent kills the          the flag out where torchrun does not know
-                        workers a fixed 30 s after   it and gives torchrun's process context
-                        forwarding a signal          that timeout instead, so the workers keep
-                                                     their whole grace period on every release.
-======================  ==========================  ===========================================
-
-(``resume --dry-run`` prints the agent's command, which takes the same arguments on every
-release; the launch files run ``resume``.)
+No other module reads torch's version or asks which release it runs on: each difference
+is answered here, by behaviour wherever a build can carry a fix its version number does
+not show (NGC builds are named after the next release and hold patches from after the
+last one). The releases, each difference and what the harness does about it (the floor,
+the stager, torchrun's flags): docs/EXTENDING.md, "Torch releases".
 """
 
 from __future__ import annotations

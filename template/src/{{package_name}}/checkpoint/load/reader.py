@@ -1,29 +1,17 @@
 """Reading a checkpoint for a load: each file once, front to back, checked as it is read.
 
-DCP's FileSystemReader (torch 2.13, ``read_data``) opens each file and, for every tensor,
-seeks to its record and runs ``torch.load`` on a view of the open file; the zip reader
-reads the record's directory at its end before its data. On a file that is not in the
-page cache that is several small reads per tensor, out of order, with no read-ahead:
-304 MiB that take 0.11 s to read took 0.26 to 0.37 s to load on the machine this was
-written on. The reader here keeps DCP's planning, resharding and file format, and
-changes how the bytes arrive:
-
-- the records a rank needs are read in file order, by one thread per file, up to
-  ``READ_THREADS`` files at once; each thread runs ahead of the loading thread by at
-  most ``AHEAD_BYTES`` (or one record, when a record is larger);
-- when commit.json has checksums, a thread reads whole checksum blocks and checks each
-  block as it completes (``integrity.StreamCheck``): the bytes are checked by the read
-  that loads them, not by a pass of their own before it;
-- the loading thread deserialises each record from memory and copies it into the model
-  while the next records are read; ``torch.load`` (weights only) runs once per distinct
-  tensor layout, not once per tensor (``_Layouts``).
-
-A block that does not match raises ``ChecksumMismatch`` and the load fails; the caller
-falls back to the checkpoint before (``restore``). The files stay DCP's own, readable by
-``FileSystemReader`` and ``dcp_to_torch_save``; a checkpoint whose records use DCP's
-stream transforms (extensions this project never writes) is read by DCP's own code.
-The same path serves object stores: one sequential stream per file instead of a range
-request per tensor.
+DCP's ``FileSystemReader`` seeks to each tensor's record and runs ``torch.load`` on it:
+small reads out of order on a cold file, a range request per tensor on an object store.
+This reader keeps DCP's planning, resharding and file format (the files stay readable by
+``FileSystemReader`` and ``dcp_to_torch_save``) and changes how the bytes arrive: one
+thread per file (up to ``READ_THREADS`` files) reads the records a rank needs in file
+order, at most ``AHEAD_BYTES`` (or one record) ahead of the loading thread, and checks
+each checksum block as it completes (``integrity.StreamCheck``); the loading thread
+deserialises each record from memory, one ``torch.load`` per tensor layout (``_Layouts``).
+A block that does not match raises ``ChecksumMismatch``; ``restore`` falls back to the
+checkpoint before. Records with DCP's stream transforms (never written here) are read by
+DCP's own code. Why, and the figures: docs/PERFORMANCE.md, "Loading and restarting, with
+the load's own reader"; the checks: docs/RESUMING.md, "Damaged bytes: checksums".
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """Staging a save: copying the state into host memory that the background writer reads.
 
-DCP's ``DefaultStager`` keeps its host buffers from one save to the next, but still
-deep-copies the state dict at every save: for each DTensor it allocates a new empty
-tensor of the full local size, deep-copies the sharding spec, and walks every object
-through Python's copy protocol. With a few hundred tensors that costs several times the
-memory copy itself, on the training path (measured with ``bench``: about 0.06 s against
-a 0.014 s copy for 146 MiB on two CPU ranks).
-
-``ReusingStager`` is DCP's stager with one fast path: when the state has the same
-structure as the last one staged (the same tensors in the same places: dtype, shape,
-strides, device, and for a DTensor its mesh, placements and global shape), it copies
-each tensor's data into the buffer it used last time and rebuilds only the dicts, lists
-and tuples around them. Anything it does not recognise (another structure, a leaf that
-is not a plain value or tensor) goes through DCP's own deep copy, which also refreshes
-what the fast path reuses. The buffers are reused, so a save may only be staged after
-the previous one has been written: the checkpoint pipeline already keeps to that.
+DCP's ``DefaultStager`` keeps its host buffers from one save to the next but deep-copies
+the state dict at every save (a new tensor per DTensor, its sharding spec copied, every
+object through Python's copy protocol): with a few hundred tensors, several times the
+memory copy itself, on the training path (docs/PERFORMANCE.md, "Measured here").
+``ReusingStager`` is DCP's stager with one fast path: when the state has the structure
+last staged (each tensor's dtype, shape, strides and device; a DTensor's mesh, placements
+and global shape too), it copies each tensor's data into the buffer it used last time and
+rebuilds only the dicts, lists and tuples around them. Anything else goes through DCP's
+deep copy, which also refreshes what the fast path reuses. The buffers are reused, so a
+save may only be staged after the previous one has been written, as the pipeline does.
+The releases whose stager closes after each stage: docs/EXTENDING.md, "Torch releases".
 """
 
 from __future__ import annotations

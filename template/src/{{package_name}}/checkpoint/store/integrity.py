@@ -2,17 +2,13 @@
 
 A file's size says it was written whole; only its content's checksum says the bytes are
 the ones that were written. ``commit.json`` records, for every file, its size and the
-CRC-32 of each 8 MiB block:
-
-    "files": {"__0_0.distcp": {"size": 104857600, "crc32": ["8c1f0a3e", "0b77d2c4"]}, ...}
-    "checksum": {"algorithm": "crc32", "block_bytes": 8388608}
-
-The writers compute them as the bytes go out (``BlockCrcs``, ``checksummed_writer.py``)
-and record them in ``RECORD_FILE``; the commit reads that record, never a shard
-(``recorded_entries``). Verification modes (``checkpoint.verify``: all, sample, none),
-the load's check as it reads (``StreamCheck``) and why CRC-32: docs/RESUMING.md and
-docs/PERFORMANCE.md. A commit.json without checksums (``files`` maps names to sizes) is
-accepted with sizes only, and said so.
+CRC-32 of each 8 MiB block (``BLOCK_BYTES``). The writers compute them as the bytes go
+out (``BlockCrcs``, ``checksummed_writer.py``) and record them in ``RECORD_FILE``; the
+commit reads that record, never a shard (``recorded_entries``). A commit.json without
+checksums (``files`` maps names to sizes) is accepted with sizes only, and said so. The
+format, the verification modes (``checkpoint.verify``), the load's check as it reads
+(``StreamCheck``) and why CRC-32: docs/RESUMING.md, "Damaged bytes: checksums", and
+docs/PERFORMANCE.md, "Saves: checksums as the bytes are written, nothing read back".
 """
 
 from __future__ import annotations

@@ -7,12 +7,11 @@
     <root>/step_000000130.tmp/      a save in progress (local filesystems only)
     <root>/step_000000100.deleting/ an old checkpoint being removed
 
-A checkpoint counts only when ``commit.json`` exists, parses, and every file it lists
-is present with the recorded size; before one is loaded, its files are also checked
-against the checksums recorded there (``integrity``). On a filesystem with atomic
-rename the directory is also written under ``.tmp`` and renamed after the commit file,
-so a ``step_*`` directory is complete or absent; on object stores the commit file
-alone decides.
+A checkpoint counts only when ``commit.json`` exists, parses, and every file it lists is
+present with the recorded size; its checksums are checked as it loads (``integrity``).
+With atomic rename the directory is written under ``.tmp`` and renamed after the commit
+file, so a ``step_*`` directory is complete or absent; on object stores the commit file
+alone decides (README.md, "Checkpoints in an object store"; docs/RESUMING.md).
 """
 
 from __future__ import annotations

@@ -2,21 +2,14 @@
 
     <root>/lease.json   {"host", "pid", "job_id", "acquired", "heartbeat"}
 
-Rank 0 takes the lease before anything is built and renews it from a thread every
-quarter of ``checkpoint.lease_stale_s``. A second job finds a live lease and waits up to
-``checkpoint.lease_wait_s`` for it to be released (a restarted job meeting the previous
-one still draining its last save), then refuses with the owner named. A lease without
-a heartbeat for ``lease_stale_s``, held by a process of this host that no longer
-exists (a crash, an in-place restart), or held by an earlier run of this same job (the
-scheduler's job id: a Slurm job requeued, a Kubernetes Job's pod replaced after its
-node was lost, a SkyPilot job recovered; a scheduler starts a job's next run only once
-the previous one has ended) is taken over with a notice. A job that finds
-its lease taken over stops committing checkpoints (the save fails, with the reason).
-
-On a filesystem the lease is written through a temporary file and renamed; object
-stores offer no compare-and-swap here, so the lease is written and read back: two jobs
-that start within the same second can both believe they hold it until the next renewal,
-when one of them sees the other's name and stops committing.
+Rank 0 takes the lease before anything is built and renews it from a thread. Who waits,
+who refuses, and which leases are taken over (stale, held by a dead process of this host,
+or by an earlier run of the same scheduler job): docs/PREEMPTION.md, "One job per
+checkpoint directory". A job that finds its lease taken over stops committing
+checkpoints (the save fails, with the reason). On a filesystem the lease is written
+through a temporary file and renamed; object stores offer no compare-and-swap, so there
+it is written and read back: two jobs that start within the same second can both believe
+they hold it until the next renewal, when one sees the other's name and stops committing.
 """
 
 from __future__ import annotations
