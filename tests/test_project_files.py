@@ -14,6 +14,9 @@ from conftest import REPO, git, package_of, render, run_in
 
 # ---------------------------------------------------------- ignore files ----
 
+# In make test only: make check runs the generated suite's own check of this
+# (test_output_dirs.py), and stays within its 5 minutes.
+@pytest.mark.slow
 def test_training_leaves_the_git_checkout_clean(tmp_path):
     """After a run, `git status` is clean (so `copier update` is not refused) and nothing
     training wrote is committed by `git add -A`."""

@@ -200,6 +200,8 @@ def test_update_from_the_committed_template_keeps_every_answer(tmp_path):
     assert_merged(project)
 
 
+# In make test only (make check's 5 minutes): it trains a project, then updates it.
+@pytest.mark.slow
 def test_update_keeps_the_users_task_while_the_harness_changes(tmp_path):
     """The user edits their task, its config and a model module; the next template version
     changes the trainer, the checkpoint manager and the default task. The update merges
@@ -314,6 +316,8 @@ BEFORE_FOLDERS = "6d2ca9d"
 V0_1_0 = BEFORE_FOLDERS
 
 
+# In make test only (make check's 5 minutes): it trains a project, then updates it.
+@pytest.mark.slow
 def test_update_across_the_reorganisation_keeps_the_task_and_the_loader_setting(tmp_path):
     """A project rendered before the modules moved into folders, with the user's own
     task.py (the old ``build_model(cfg)`` signature), ``data.num_workers`` set in its
