@@ -282,6 +282,20 @@ def forked_children(pid: int) -> list[int]:
     return [child for child in children(pid) if cmdline(child) == cmdline(pid)]
 
 
+def checkpoint_process_rank(pid: int) -> str | None:
+    """The rank whose DCP checkpoint process ``pid`` is, or None: a spawned one
+    (``spawn_main``) has the worker's environment, a forked one (warm start) the name
+    ``checkpoint-<rank>``."""
+    line = cmdline(pid)
+    if b"spawn_main" in line and b"resource_tracker" not in line:
+        return rank_of(pid)
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+    return name.split("-", 1)[1] if name.startswith("checkpoint-") else None
+
+
 def gone(pid: int) -> bool:
     """Exited: no longer listed, or a zombie waiting for its parent to reap it."""
     try:

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import (
     ROOT,
+    checkpoint_process_rank,
     children,
     cmdline,
     finish,
@@ -235,10 +236,12 @@ def test_same_llama_checkpoint_resumed_on_two_ranks_is_bit_identical(drill_two_t
 
 def training_processes(resume_pid: int) -> list[int]:
     """The ranks' processes: the children of the zygote (recovery.warm_start), which
-    ``resume`` starts beside torchrun, else the children of torchrun."""
+    ``resume`` starts beside torchrun, but their checkpoint processes; else the children
+    of torchrun."""
     zygote = b"launch.zygote"
     started = children(resume_pid)
-    forked = [rank for pid in started if zygote in cmdline(pid) for rank in children(pid)]
+    forked = [rank for pid in started if zygote in cmdline(pid) for rank in children(pid)
+              if checkpoint_process_rank(rank) is None]
     return forked or [rank for pid in started for rank in children(pid)]
 
 

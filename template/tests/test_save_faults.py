@@ -18,12 +18,11 @@ from pathlib import Path
 import pytest
 
 from conftest import (
-    cmdline,
+    checkpoint_process_rank,
     descendants,
     finish,
     overrides_for,
     project_module,
-    rank_of,
     read_events,
     run_module,
     start,
@@ -40,11 +39,8 @@ overrides = overrides_for(*SMALL)
 
 # ------------------------------------------------ a checkpoint process that dies --
 def _checkpoint_processes(job: int, rank: str) -> list[int]:
-    """DCP's background checkpoint processes of one rank of the job started as ``job``
-    (spawned descendants of that rank's worker)."""
-    return [pid for pid in descendants(job)
-            if b"spawn_main" in (line := cmdline(pid)) and b"resource_tracker" not in line
-            and rank_of(pid) == rank]
+    """DCP's background checkpoint processes of one rank of the job started as ``job``."""
+    return [pid for pid in descendants(job) if checkpoint_process_rank(pid) == rank]
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Warm start: ``resume``'s workers are forked from a pre-imported process (the zygote).
 
-Checked on real launches: the workers of a first start and of an in-place restart are
-the zygote's children; a zygote holding a thread is refused, in one line, and the run
+Checked on real launches: the workers of a first start and of an in-place restart, and
+their DCP checkpoint processes, are the zygote's children; a zygote holding a thread is refused, in one line, and the run
 trains cold; nothing of a launch, the zygote included, outlives ``resume`` or a SIGKILL
 of the zygote or of a worker's stand-in; ``recovery.warm_start=false`` starts no zygote.
 """
@@ -74,6 +74,12 @@ def test_workers_are_forked_from_the_zygote_at_a_start_and_an_in_place_restart(
             assert ZYGOTE in parent_command(pid), (pid, parent_command(pid))
         family = [*descendants(proc.pid)]
         wait_until(lambda: read_events(logs, "save"), proc, "a checkpoint", log_file=log)
+        # DCP's checkpoint process of each worker is forked by the zygote too, not spawned
+        # (a new Python importing torch again).
+        zygote = parents()[first[0]]
+        assert [cmdline(p)[:80] for p in descendants(proc.pid)
+                if b"multiprocessing" in cmdline(p)] == []
+        assert len([p for p, parent in parents().items() if parent == zygote]) == 4
         killed = time.time()
         os.kill(first[1], signal.SIGKILL)
         again = wait_until(lambda: running_workers(logs, killed), proc,
@@ -142,7 +148,12 @@ def test_nothing_of_the_launch_outlives_a_sigkill_of_the_zygote_or_a_stand_in(
                     and not any(name in cmdline(pid) for name in (ZYGOTE, b"launch.agent")))
     family = [proc.pid, *descendants(proc.pid)]
     assert zygote in family
+    killed = time.time()
     os.kill(zygote if victim == "zygote" else stand_in, signal.SIGKILL)
+    if victim == "stand-in":   # the zygote outlives its worker's stand-in and forks again
+        again = wait_until(lambda: running_workers(logs, killed), proc,
+                           "the restarted workers", log_file=log)
+        assert all(parents().get(pid) == zygote for pid in again.values()), again
     code = finish(proc, 300)
     text = log.read_text(errors="replace")
     family += descendants(proc.pid)

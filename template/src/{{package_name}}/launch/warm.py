@@ -4,7 +4,8 @@
   imports): it sends its command line, environment and standard streams to the zygote,
   then stands in for the forked worker: signals passed on to it, its exit status its own.
   Without a zygote, or refused by it, it returns and the worker starts cold.
-- ``become_worker()``, in the forked child: takes that environment and runs ``train``.
+- ``become_worker()``, in the forked child: takes that environment and runs ``train``,
+  whose DCP checkpoint process the zygote forks too (``become_checkpoint_process``).
 
 Standard library only on the first side. docs/RECOVERY.md ("Warm start") has the design.
 """
@@ -25,6 +26,7 @@ from ..runtime.lifeline import TORCHRUN_ENV
 ZYGOTE_ENV = f"{PACKAGE.upper()}_ZYGOTE"   # the zygote's socket, set by the agent
 FORK_WAIT_S = 60.0      # the zygote (still importing, perhaps) forks within this, or: cold
 ORPHAN_WAIT_S = 600.0   # the zygote gone: the worker stops on its own within this
+CHECKPOINT_PROCESS_NAME = "checkpoint-{rank}"   # a forked checkpoint process's name (comm)
 RELAYED = tuple(getattr(signal, name) for name in
                 ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"))
 
@@ -141,21 +143,129 @@ class _Lines:
 
 
 # ------------------------------------------------------------- in the child --
-def become_worker(conn: socket.socket, request: dict) -> int:
+def become_worker(conn: socket.socket, request: dict, zygote: str) -> int:
     """Take the requester's directory, environment and command line, tell it this pid
-    (once its stop signals are held), run ``train`` as ``__main__``; the exit status."""
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.environ.pop(ZYGOTE_ENV, None)   # train, run below, asks no zygote
-    _as_a_new_process()
+    (once its stop signals are held), run ``train`` as ``__main__``; the exit status.
+    DCP's checkpoint process is asked of the zygote at ``zygote`` too."""
+    _take(request)
     sys.argv = list(request["argv"])
+    from ..checkpoint.save.background import fork_from
     from ..preemption import early
 
     early.hold()
+    why_not = fork_from(lambda fds: _fork_checkpoint_process(zygote, fds))
+    if why_not is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"warm start: {why_not}: DCP spawns its checkpoint process", file=sys.stderr)
     conn.sendall((json.dumps({"pid": os.getpid()}) + "\n").encode())
     conn.close()
     return run_as_main(f"{PACKAGE}.train")
+
+
+def become_checkpoint_process(conn: socket.socket, request: dict, pipe_fd: int) -> int:
+    """Take the worker's directory and environment and serve as its DCP checkpoint
+    process on ``pipe_fd`` until the worker ends it or is gone; the exit status."""
+    _take(request)
+    _end_with(int(request["worker"]))
+    try:   # what ps and top show: this is the checkpoint process of that rank
+        with open("/proc/self/comm", "w", encoding="ascii") as comm:
+            comm.write(CHECKPOINT_PROCESS_NAME.format(rank=os.environ.get("RANK", "")))
+    except OSError:
+        pass
+    conn.sendall((json.dumps({"pid": os.getpid()}) + "\n").encode())
+    conn.close()
+    from ..checkpoint.save.background import serve_as_checkpoint_process
+
+    serve_as_checkpoint_process(pipe_fd)
+    return 0
+
+
+def _end_with(pid: int) -> None:
+    """End this process the moment process ``pid`` ends (a thread waits for it), as a
+    spawned checkpoint process ends with its parent (``train.py``)."""
+    import threading
+
+    from ..runtime.process_tree import alive
+
+    def wait() -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            os._exit(0)
+        except (OSError, AttributeError):   # no pidfd: look every second
+            while alive(pid):
+                time.sleep(1.0)
+            os._exit(0)
+        select.select([fd], [], [])
+        os._exit(0)
+
+    threading.Thread(target=wait, name="worker-watch", daemon=True).start()
+
+
+def _take(request: dict) -> None:
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.environ.pop(ZYGOTE_ENV, None)   # what runs here asks no zygote
+    _as_a_new_process()
+
+
+def _fork_checkpoint_process(zygote: str, fds: list[int]) -> Forked:
+    """In a worker: the zygote forks this worker's DCP checkpoint process on ``fds``; the
+    handle on it, or OSError (the zygote gone or refusing: DCP spawns it)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.settimeout(FORK_WAIT_S)
+        conn.connect(zygote)
+        request = json.dumps({"env": dict(os.environ), "cwd": os.getcwd(),
+                              "worker": os.getpid()}).encode()
+        socket.send_fds(conn, [b"C"], fds)
+        conn.sendall(len(request).to_bytes(4, "big") + request)
+        lines = _Lines(conn)
+        first = lines.next(FORK_WAIT_S)
+    except (OSError, ValueError) as exc:
+        conn.close()
+        raise OSError(f"the zygote does not answer ({exc})") from exc
+    if "pid" not in first:
+        conn.close()
+        raise OSError(first.get("refused", "refused"))
+    # This socket open is what keeps the child alive (the zygote kills it at hang-up):
+    # the worker's own forks (DataLoader workers) close their copy.
+    os.register_at_fork(after_in_child=conn.close)
+    return Forked(int(first["pid"]), lines)
+
+
+class Forked:
+    """A process the zygote forked for this worker, seen as ``multiprocessing.Process``
+    shows its own children: the zygote reports its exit status on ``lines``."""
+
+    def __init__(self, pid: int, lines: _Lines) -> None:
+        self.pid = pid
+        self.exitcode: int | None = None
+        self._lines = lines
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.exitcode is not None:
+            return
+        try:
+            done = self._lines.next(timeout)
+        except (BlockingIOError, TimeoutError):
+            return
+        except (OSError, ValueError):
+            done = {}   # the zygote hung up without a word: it is gone, and so is this
+        self.exitcode = int(done.get("exit", -signal.SIGKILL))
+        self._lines.conn.close()
+
+    def is_alive(self) -> bool:
+        self.join(0)
+        return self.exitcode is None
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            os.kill(self.pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.is_alive():
+            os.kill(self.pid, signal.SIGKILL)
 
 
 def _as_a_new_process() -> None:

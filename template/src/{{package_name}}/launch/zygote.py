@@ -25,7 +25,11 @@ from ..runtime.lifeline import die_with_parent, say_if_heard
 from ..runtime.process_tree import alive
 
 READY_PREFIX = "warm start:"
-FORK, WATCH = b"F", b"W"   # a request's first byte: fork a worker; end with this process
+# A request's first byte: fork a worker; fork a worker's DCP checkpoint process; end with
+# this process. Descriptors sent with each: its standard streams (the checkpoint process's
+# pipe end first).
+FORK, CHECKPOINT, WATCH = b"F", b"C", b"W"
+DESCRIPTORS = {FORK: 3, CHECKPOINT: 4, WATCH: 0}
 REQUEST_TIMEOUT_S = 10.0   # a worker's request, once connected, arrives within this
 MAX_REQUEST_BYTES = 1 << 22
 
@@ -86,6 +90,7 @@ class Zygote:
 
     def __init__(self, listener: socket.socket, baseline_threads: int) -> None:
         self.listener = listener
+        self.path = listener.getsockname()
         self.baseline = baseline_threads
         self.selector = selectors.DefaultSelector()
         self.children: dict[int, socket.socket] = {}   # child pid -> the requester's socket
@@ -146,7 +151,7 @@ class Zygote:
         gc.freeze()   # the child's collections leave the shared objects' pages alone
         pid = os.fork()
         if pid == 0:
-            self._become_worker(conn, request, fds)   # never returns
+            self._become(kind, conn, request, fds)   # never returns
         for fd in fds:
             os.close(fd)
         self.children[pid] = conn
@@ -172,7 +177,7 @@ class Zygote:
             conn = self.children.pop(pid, None)
             if conn is None:
                 continue
-            self.selector.unregister(conn)
+            self._forget(conn)
             try:
                 _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
             except OSError:
@@ -186,14 +191,22 @@ class Zygote:
                 return   # not expected; nothing to do
         except OSError:
             pass
-        self.selector.unregister(conn)
+        self._forget(conn)   # the child stays in ``children``, to be reaped
         try:
             os.killpg(pid, signal.SIGKILL)
         except OSError:
             pass
 
-    def _become_worker(self, conn: socket.socket, request: dict, fds: list[int]) -> None:
-        """In the forked child: become the worker ``request`` describes, run it, exit."""
+    def _forget(self, conn: socket.socket) -> None:
+        try:
+            self.selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass   # its requester went first: unregistered then
+
+    def _become(self, kind: bytes, conn: socket.socket, request: dict,
+                fds: list[int]) -> None:
+        """In the forked child: become the worker (or the worker's checkpoint process)
+        ``request`` describes, run it, exit."""
         code = 1
         try:
             gc.enable()
@@ -206,12 +219,15 @@ class Zygote:
                 closing.close()
             os.close(self.wake_r)
             os.close(self.wake_w)
-            for target, fd in enumerate(fds):
+            for target, fd in enumerate(fds[-3:]):
                 os.dup2(fd, target)
                 os.close(fd)
-            from .warm import become_worker
+            from .warm import become_checkpoint_process, become_worker
 
-            code = become_worker(conn, request)
+            if kind == CHECKPOINT:   # outlives this process: it ends with its worker
+                code = become_checkpoint_process(conn, request, fds[0])
+            else:
+                code = become_worker(conn, request, self.path)
         except BaseException:   # noqa: BLE001 - a child must never return into the loop
             import traceback
 
@@ -222,9 +238,11 @@ class Zygote:
 
 def _receive(conn: socket.socket) -> tuple[bytes, dict, list[int]]:
     conn.settimeout(REQUEST_TIMEOUT_S)
-    kind, fds, _, _ = socket.recv_fds(conn, 1, 3)
-    if kind == FORK and len(fds) != 3:
-        raise ValueError(f"expected 3 file descriptors, got {len(fds)}")
+    kind, fds, _, _ = socket.recv_fds(conn, 1, max(DESCRIPTORS.values()))
+    if len(fds) != DESCRIPTORS.get(kind, -1):
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"a request {kind!r} with {len(fds)} file descriptors")
     size = int.from_bytes(_exactly(conn, 4), "big")
     if size > MAX_REQUEST_BYTES:
         raise ValueError(f"request of {size} bytes")

@@ -5,21 +5,26 @@ DCP starts its process checkpointer at the first ``async_save``; a tiny save of 
 at start-up instead, where a failure costs a bounded wait. Training does not wait for
 it: ``start_checkpoint_process`` returns once the process is spawned (its log lines,
 INFO to its standard error, go to a file), and the first save waits for it to be up
-(``SavePipeline.wait_ready``). The process (a new Python importing torch: 1.5 to 2
-s on a 2-core machine) starts while the first steps train.
+(``SavePipeline.wait_ready``). Spawned, the process is a new Python importing torch (1.5
+to 2 s on a 2-core machine) while the first steps train; a warm-started worker has it forked
+from the zygote instead (``fork_from``), already imported. docs/RECOVERY.md ("Warm start").
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent import futures
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -29,6 +34,11 @@ from ...runtime.distributed import decide_on_rank0
 from ...runtime.output_dirs import make_output_dir
 
 SPAWN_WAIT_S = 30.0   # how long the log redirection waits for the process to be spawned
+
+# A forked checkpoint process (``fork_from``): who forks it, and the ones forked so far.
+_forker: Callable[[list[int]], Any] | None = None
+_forked: list[Any] = []
+_fork_asked = threading.Event()
 
 
 def start_checkpoint_process(process_log: str | None) -> futures.Future:
@@ -52,7 +62,7 @@ def start_checkpoint_process(process_log: str | None) -> futures.Future:
                       else response)
             deadline = time.monotonic() + SPAWN_WAIT_S
             while (not set(multiprocessing.active_children()) - before and not upload.done()
-                   and time.monotonic() < deadline):
+                   and not _fork_asked.is_set() and time.monotonic() < deadline):
                 time.sleep(0.005)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -93,11 +103,78 @@ def stop_background_processes() -> None:
     After a background save was abandoned its thread may wait on a dead peer for half an
     hour; the caller then leaves with ``os._exit`` and must not leave children behind.
     """
-    for child in multiprocessing.active_children():
+    for child in [*multiprocessing.active_children(), *_forked]:
         child.terminate()
         child.join(timeout=5)
         if child.is_alive():
             child.kill()
+
+
+def fork_from(forker: Callable[[list[int]], Any]) -> str | None:
+    """Have DCP's checkpoint process forked by ``forker`` instead of spawned; None, or why
+    not (this torch's DCP has not the shape relied on: it then spawns, as before).
+
+    ``forker(fds)`` hands the descriptors (the process's end of its pipe, then its standard
+    streams) to a process that forks the checkpoint process, which runs
+    ``serve_as_checkpoint_process`` on them; it returns a handle on that child with
+    ``multiprocessing.Process``'s ``pid``, ``is_alive``, ``join``, ``terminate``, ``kill``,
+    ``exitcode``, or raises OSError (DCP then spawns it). DCP's private
+    ``_AsyncCheckpointProcess`` is subclassed: everything but the start is DCP's own.
+    """
+    global _forker
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    base = getattr(executor, "_AsyncCheckpointProcess", None)
+    if (base is None or not callable(getattr(base, "_checkpointing_subprocess", None))
+            or list(inspect.signature(base.__init__).parameters) != ["self", "pg_init_info"]):
+        return "this torch's DCP has no _AsyncCheckpointProcess(pg_init_info) to fork"
+    if not getattr(base, "forked", False):
+        executor._AsyncCheckpointProcess = type("ForkedCheckpointProcess", (base,), {
+            "__init__": _forked_init, "forked": True, "__module__": __name__})
+    _forker = forker
+    return None
+
+
+def _forked_init(self, pg_init_info) -> None:
+    """``_AsyncCheckpointProcess.__init__`` with the process forked by ``_forker``."""
+    from torch.distributed.checkpoint._async_process_executor import (
+        _CheckpointSaveProcessControlOpts as Control,
+    )
+
+    ours, theirs = multiprocessing.Pipe()
+    try:
+        if _forker is None:
+            raise OSError("no forker")
+        child = _forker([theirs.fileno(), 0, 1, 2])
+    except OSError:
+        ours.close()
+        super(type(self), self).__init__(pg_init_info)   # spawned, as DCP does
+        return
+    finally:
+        theirs.close()
+    _forked.append(child)
+    _fork_asked.set()
+    self.ctx = multiprocessing.get_context("spawn")
+    self._process_pipe = ours
+    self._save_process = child
+    ours.send(pg_init_info)
+    response = self._wait_for_response(timeout=1800)   # DCP's own bound for its start
+    if response != Control.INIT_COMPLETE:
+        raise AssertionError(f"Expected INIT_COMPLETE response, got {response}")
+
+
+def serve_as_checkpoint_process(pipe_fd: int) -> None:
+    """In a forked checkpoint process: DCP's own serving loop on the pipe ``pipe_fd``."""
+    from multiprocessing.connection import Connection
+
+    from torch.distributed.checkpoint._async_process_executor import _AsyncCheckpointProcess
+
+    conn = Connection(pipe_fd)
+    try:
+        pg_init_info = conn.recv()
+    except EOFError:
+        return   # the worker went before it told this process where its peers meet
+    _AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, conn)
 
 
 def quiet_checkpoint_process_exit() -> None:
