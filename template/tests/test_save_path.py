@@ -65,7 +65,10 @@ def test_training_steps_are_unaffected_while_a_save_is_in_flight(probe):
     assert started[0] < typical + 0.2 * DELAY_S, steps
     assert len(in_flight) >= 3, steps            # the save really was written meanwhile
     assert max(in_flight) < typical + 0.2 * DELAY_S, steps
-    assert statistics.median(in_flight) < 1.5 * typical + 0.05, steps
+    # Against the clean steps' upper quartile: their spread is this machine's load,
+    # which moved between the two windows (a torch leg runs 3 suites on 2 cores).
+    slow_clean = statistics.quantiles(clean, n=4)[2]
+    assert statistics.median(in_flight) < 1.5 * slow_clean + 0.05, steps
     assert probe["train"]["committed_step"] == 1000
     assert probe["train"]["commit_latency_s"] >= DELAY_S
 

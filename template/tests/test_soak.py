@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import os
+import types
 
 import pytest
 
@@ -58,3 +59,22 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path):
         proc = run_module("soak", *args, "--out", str(tmp_path / "s"), check=False)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "s").exists()
+
+
+def test_saves_that_queued_behind_a_slow_commit_are_predicted(tmp_path):
+    """The interval saves' sum is predicted at their mean stall: two saves of twenty that
+    waited 0.5 s for the one before (a loaded machine) count, as they do in the ledger."""
+    saves = [{"event": "save", "reason": "interval", "step": 5 * (i + 1), "blocking_s": 0.01,
+              "commit_latency_s": 0.3, "waited_s": 0.5 if i in (7, 13) else 0.0}
+             for i in range(20)]
+    events = [{"event": "start"}, *({"event": "step", "step": i, "step_time_s": 0.1}
+                                    for i in range(1, 101)), *saves]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    measured = sum(s["blocking_s"] + s["waited_s"] for s in saves)    # 1.2 s
+    ledger = types.SimpleNamespace(
+        parts_s={"productive": 10.0, "rework": 0.0, "saving": measured, "eval": 0.0,
+                 "restart": 0.0, "unaccounted": 0.0},
+        wall_s=10.0 + measured, interruptions=[], badput_percent=100 * measured / 11.2)
+    run = soak.predict(5, ledger, events, tmp_path)
+    assert run["predicted_percent"]["saving"] == pytest.approx(100 * measured / 11.2)
+    assert run["inputs"]["blocking_s"] == pytest.approx(0.01)    # the plan's median δ

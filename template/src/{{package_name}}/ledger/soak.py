@@ -186,18 +186,26 @@ def predict(interval_steps: int, ledger, events: list[dict[str, Any]],
     """The plan's badput for this run from its own measured inputs (module docstring):
     T, δ and L of this run (interval/formulas.read_metrics), its interruptions, and as
     measured what the model takes as given (restarts, the saves that are not interval
-    saves: a start's first wait for its checkpoint process, the saves at a stop)."""
+    saves: a start's first wait for its checkpoint process, the saves at a stop). The
+    interval saves' sum is predicted with their mean stall, not the plan's median δ: a
+    save that queued behind a slow commit counts in the sum (docs/GOODPUT.md)."""
     inputs = read_metrics(logs)
     tau = interval_steps * inputs.step_seconds
     d, latency = inputs.blocking_seconds, inputs.commit_latency_seconds
     parts, wall = ledger.parts_s, ledger.wall_s
     training = parts["productive"] + parts["rework"]
     lossy = sum(i["kind"] != "preempted_notice" for i in ledger.interruptions)
-    other_saves = sum(float(e.get("blocking_s") or 0) + float(e.get("waited_s") or 0)
-                      for e in events if e["event"] == "save" and e.get("reason") != "interval")
+    interval_saves, other_saves = [], 0.0   # each save's stall and its wait
+    for e in (e for e in events if e["event"] == "save"):
+        cost = float(e.get("blocking_s") or 0) + float(e.get("waited_s") or 0)
+        if e.get("reason") == "interval":
+            interval_saves.append(cost)
+        else:
+            other_saves += cost
+    mean_stall = sum(interval_saves) / len(interval_saves) if interval_saves else d
     other_saves += sum(float(e.get("waited_s") or 0) for e in events if e["event"] == "phase"
                        and e.get("phase") == "checkpoint_process_ready")
-    predicted = {"saving": training * d / tau + other_saves,
+    predicted = {"saving": training * mean_stall / tau + other_saves,
                  "rework": lossy * ((tau + d) / 2 + latency),
                  "restart": parts["restart"], "eval": parts["eval"],
                  "unaccounted": parts["unaccounted"]}
@@ -210,7 +218,8 @@ def predict(interval_steps: int, ledger, events: list[dict[str, Any]],
         "tolerance_percent": 100 * 3 * sigma / wall + TIMER_FLOOR_PERCENT,
         "measured_percent": {k: 100 * v / wall for k, v in parts.items() if k != "productive"},
         "predicted_percent": {k: 100 * v / wall for k, v in predicted.items()},
-        "inputs": {"step_s": inputs.step_seconds, "blocking_s": d, "latency_s": latency},
+        "inputs": {"step_s": inputs.step_seconds, "blocking_s": d, "latency_s": latency,
+                   "mean_interval_save_s": mean_stall},
         "interruptions": len(ledger.interruptions),
         "losing_work": lossy,
         "kinds": sorted({i["kind"] for i in ledger.interruptions}),
