@@ -172,3 +172,34 @@ def test_warm_start_false_starts_no_zygote(run_dirs, tmp_path):
         assert b"launch.agent" in parent_command(pid)
     assert not [p for p in descendants(proc.pid) if ZYGOTE in cmdline(p)]
     assert finish(proc, 300) == 0, log.read_text(errors="replace")[-4000:]
+
+
+def test_a_rank_waits_for_rank_0s_store_instead_of_torchs_retry_delay():
+    """A new worker that gets to the rendezvous before rank 0's has started its store
+    connects once the store listens (torch's own client retries only after 0.3 s or
+    more), and gives up at its bound, leaving the error to init_process_group."""
+    import socket
+    import threading
+
+    distributed = project_module("runtime.distributed")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    distributed._wait_for_store("127.0.0.1", port, 0.05)   # nothing listens: bounded
+    accepted = []
+
+    def store_starts_late() -> None:
+        time.sleep(0.2)
+        with socket.socket() as server:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(("127.0.0.1", port))
+            server.listen()
+            server.settimeout(10)
+            accepted.append(server.accept()[0])
+
+    thread = threading.Thread(target=store_starts_late)
+    thread.start()
+    distributed._wait_for_store("127.0.0.1", port, 30.0)
+    thread.join(15)
+    assert accepted, "the wait gave up before the store listened"
+    accepted[0].close()

@@ -6,6 +6,7 @@ import datetime
 import os
 import pickle
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -83,9 +84,31 @@ def setup(backend: str = "auto",
         # CPU collectives are needed for the preemption vote and DCP's own coordination
         # even when training uses NCCL.
         pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
+        if os.environ["RANK"] != "0":
+            _wait_for_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                            collective_timeout_s)
         dist.init_process_group(pg_backend,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
     return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+STORE_POLL_S = 0.01
+
+
+def _wait_for_store(host: str, port: int, bound_s: float) -> None:
+    """Until rank 0's store accepts connections, at most ``bound_s``: a TCPStore client
+    that finds no server yet retries only after 0.3 s or more, which an in-place restart
+    paid whenever another rank's new worker got there before rank 0's. Past the bound,
+    ``init_process_group`` fails with its own message."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(STORE_POLL_S)
 
 
 def teardown() -> None:
