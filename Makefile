@@ -55,8 +55,9 @@ test: venv
 # after make test; README.md and the generated pyproject.toml list the same releases.
 TORCH_LEGS ?= 2.9.0 2.11.0 2.15.0
 TORCH ?= 2.11.0
+LEG_FLAGS ?=
 test-torch: venv
-	$(PY) tests/torch_leg.py $(TORCH)
+	$(PY) tests/torch_leg.py $(LEG_FLAGS) $(TORCH)
 
 print-torch-legs:
 	@echo $(TORCH_LEGS)

@@ -18,7 +18,10 @@ release the generated project claims (its pyproject.toml lists them):
 
 ``--install`` does steps 1 and 2 ahead (CI, while make test runs) and marks the renders
 with the template's fingerprint; a leg then renders again only when the template changed.
-Prints each phase's time; exits 1 when a check fails.
+It installs a venv ahead only while the disk keeps room for the suite beside it (a leg's
+venv is about 7.5 GB, and pip needs about 12 GB while installing it); a leg left out then
+installs when it runs, and ``--drop`` removes a leg's venv after its tests (CI: room for
+the next one). Prints each phase's time; exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ SCRATCH = REPO / ".scratch"
 LEG_EXTRAS = ["pytest-xdist>=3.5"]
 # The renders of a leg: the default project, and one with the memory tier (its tests only).
 RENDERS = {"default": {}, "memory": {"memory_tier": True, "project_name": "mem-run"}}
+# Disk, in GiB: what installing one leg's venv takes at its peak (torch 2.9.0: 11.5 GiB,
+# the downloaded wheels beside the installed venv, 7.4 GiB once done), and what an
+# install ahead leaves free for make test running beside it.
+INSTALL_PEAK_GB = 12.0
+KEEP_FREE_GB = 3.0
 
 
 def leg_dir(release: str) -> Path:
@@ -57,6 +65,11 @@ def project_dir(release: str, name: str) -> Path:
 def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     print("+", " ".join(map(str, cmd)), flush=True)
     return subprocess.run(cmd, check=False, **kwargs)
+
+
+def free_gb() -> float:
+    SCRATCH.mkdir(parents=True, exist_ok=True)
+    return shutil.disk_usage(SCRATCH).free / 2**30
 
 
 def torch_of(python: Path) -> str | None:
@@ -80,15 +93,26 @@ def test_requirements() -> list[str]:
     return [req for req in wanted if not re.match(r"torch\b", req)]
 
 
+def venv_python(release: str) -> Path:
+    return leg_dir(release) / "venv" / "bin" / "python"
+
+
+def installed(release: str) -> bool:
+    have = torch_of(venv_python(release))
+    return have is not None and have.split("+")[0] == release
+
+
 def install(release: str) -> Path:
     """The leg's venv with ``torch==release`` (kept when it already has it)."""
-    venv = leg_dir(release) / "venv"
-    python = venv / "bin" / "python"
-    have = torch_of(python)
-    if have is not None and have.split("+")[0] == release:
-        print(f"torch {have} already in {venv}", flush=True)
+    python = venv_python(release)
+    venv = python.parents[1]
+    if installed(release):
+        print(f"torch {release} already in {venv}", flush=True)
         return python
     shutil.rmtree(venv, ignore_errors=True)
+    if (free := free_gb()) < INSTALL_PEAK_GB:
+        print(f"warning: {free:.1f} GiB free; installing torch {release} takes about "
+              f"{INSTALL_PEAK_GB} GiB at its peak", flush=True)
     venv.parent.mkdir(parents=True, exist_ok=True)
     if run([sys.executable, "-m", "venv", str(venv)]).returncode != 0:
         sys.exit(f"could not create {venv}")
@@ -97,7 +121,8 @@ def install(release: str) -> Path:
     proc = run([str(python), "-m", "pip", "install", "--quiet", "--no-cache-dir",
                 f"torch=={release}", *test_requirements(), *LEG_EXTRAS], env=env)
     if proc.returncode != 0 or torch_of(python) is None:
-        sys.exit(f"could not install torch {release} into {venv}")
+        sys.exit(f"could not install torch {release} into {venv} "
+                 f"({free_gb():.1f} GiB free after the attempt)")
     return python
 
 
@@ -159,29 +184,46 @@ def prepare(release: str) -> Path:
     return python
 
 
-def leg(release: str) -> int:
+def prepare_ahead(releases: list[str]) -> None:
+    """prepare() each release in turn while the disk has room for it and the suite."""
+    for release in releases:
+        needs = 0.0 if installed(release) else INSTALL_PEAK_GB + KEEP_FREE_GB
+        if (free := free_gb()) < needs:
+            print(f"not installing torch {' '.join(releases[releases.index(release):])} "
+                  f"ahead: {free:.1f} GiB free, and an install ahead needs {needs:.1f}; "
+                  "each installs when its leg runs", flush=True)
+            return
+        prepare(release)
+
+
+def leg(release: str, drop: bool = False) -> int:
     began = time.monotonic()
     python = prepare(release)
     ready = time.monotonic()
     failed = pytest(python, project_dir(release, "default"), "-n", "3", "tests")
     failed |= pytest(python, project_dir(release, "memory"), "tests/test_memory_tier.py")
     done = time.monotonic()
+    if drop:
+        shutil.rmtree(python.parents[1], ignore_errors=True)
     print(f"torch {release} leg: {'FAILED' if failed else 'passed'}; venv, renders and "
-          f"install {ready - began:.0f} s, tests {done - ready:.0f} s", flush=True)
+          f"install {ready - began:.0f} s, tests {done - ready:.0f} s"
+          f"{'; venv removed' if drop else ''}", flush=True)
     return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--install", action="store_true",
-                        help="only create the venvs of these releases and their renders")
+                        help="only create the venvs of these releases and their renders, "
+                             "while the disk has room for them")
+    parser.add_argument("--drop", action="store_true",
+                        help="remove each leg's venv after its tests")
     parser.add_argument("releases", nargs="+", metavar="RELEASE")
     args = parser.parse_args(argv)
     if args.install:
-        for release in args.releases:
-            prepare(release)
+        prepare_ahead(args.releases)
         return 0
-    return max(leg(release) for release in args.releases)
+    return max(leg(release, args.drop) for release in args.releases)
 
 
 if __name__ == "__main__":
