@@ -23,9 +23,8 @@ import yaml
 from jinja2 import FileSystemLoader
 from jinja2.sandbox import SandboxedEnvironment
 
-from conftest import REPO, render, run_in
+from conftest import REPO, package_of, render, run_in
 
-PACKAGE_DIR = REPO / "template" / "src" / "{{package_name}}"
 PLAN_JINJA = "includes/plan.jinja"
 # Answer -> key in the config's `plan:` section (the answers keep their names for
 # `copier update`; the config spells seconds `_s` like its other keys).
@@ -249,13 +248,13 @@ def test_every_decimal_in_the_checklist_comes_from_the_plan(project):
     assert decimals <= known, decimals - known
 
 
-def test_train_yaml_interval_is_plans(project):
+def test_train_yaml_interval_is_plans(project, default_project):
     config = yaml.safe_load((project["dst"] / "configs" / "train.yaml").read_text())
     assert config["checkpoint"]["interval_steps"] == project["plan"]["interval_steps"]
     answers = project["answers"]
     # Every answer lands in plan:, beside the planner's own stated assumptions.
     assert set(config["plan"]) - {"crash_share", "node_loss_share"} == set(PLAN_KEYS.values())
-    formulas, _ = load_plan_modules()
+    formulas, _ = load_plan_modules(default_project)
     assert config["plan"]["node_loss_share"] == formulas.NODE_LOSS_SHARE
     assert config["plan"]["crash_share"] == formulas.CRASH_SHARE
     for answer, key in PLAN_KEYS.items():
@@ -333,13 +332,16 @@ def test_write_refreshes_the_rendered_checklist_in_its_language(project, tmp_pat
 # ------------------------------------------- includes/plan.jinja against interval.formulas
 
 
-def load_plan_modules():
-    """interval.formulas and interval.report, imported as modules of the (unrendered) package."""
-    spec = importlib.util.spec_from_file_location(
-        "template_pkg", PACKAGE_DIR / "__init__.py", submodule_search_locations=[str(PACKAGE_DIR)])
-    package = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = package  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(package)
+def load_plan_modules(project: Path):
+    """interval.formulas and interval.report of a default render (its words are rendered per
+    docs_language), imported as modules of a package named template_pkg."""
+    if "template_pkg" not in sys.modules:
+        source = project / "src" / package_of(project)
+        spec = importlib.util.spec_from_file_location(
+            "template_pkg", source / "__init__.py", submodule_search_locations=[str(source)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = package  # dataclasses look their module up while made
+        spec.loader.exec_module(package)
     return (importlib.import_module("template_pkg.interval.formulas"),
             importlib.import_module("template_pkg.interval.report"))
 
@@ -353,8 +355,8 @@ def copy_time_plan():
     return lambda answers: template.make_module(dict(answers))
 
 
-def test_copy_time_formulas_equal_plan_model_on_random_answers():
-    plan, report = load_plan_modules()
+def test_copy_time_formulas_equal_plan_model_on_random_answers(default_project):
+    plan, report = load_plan_modules(default_project)
     evaluate = copy_time_plan()
     rng = random.Random(5)
     kinds = {"reachable": 0, "no window": 0, "window between steps": 0}
@@ -503,9 +505,9 @@ def test_grace_period_longer_than_the_notice_is_flagged(tmp_path, language):
                                or "通知" in line)
 
 
-def test_notice_windows_are_the_generated_packages():
+def test_notice_windows_are_the_generated_packages(default_project):
     """includes/clouds.jinja (copy time) and preemption.NOTICE_WINDOW_S (run time) agree."""
-    load_plan_modules()  # registers the unrendered package as template_pkg
+    load_plan_modules(default_project)  # registers the render's package as template_pkg
     preemption = importlib.import_module("template_pkg.preemption.watch")
     env = SandboxedEnvironment(loader=FileSystemLoader(str(REPO)))
     windows = env.get_template("includes/clouds.jinja").make_module({}).notice_window_seconds

@@ -173,13 +173,17 @@ def test_unusual_answers_render_and_train(tmp_path, name):
     assert config["checkpoint"]["async_mode"] == answers.get("async_mode", "process")
     assert config["distributed"]["parallelism"] == answers.get("parallelism", "fsdp")
     assert config["preemption"]["notice_source"] == answers["cloud"]
-    # The quick part of the generated suite (no multi-rank runs) exercises every module.
+    # The quick part of the generated suite (no multi-rank runs) exercises every module,
+    # and the checklist's measured section in the render's language.
     # Left out: the checks of the task's own sections and the help of every command but
     # train, a process each (2 s of torch import apiece) whose answers do not depend on
     # these answers; the default render's suite runs them all.
     proc = run_in(project, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                   "tests/test_config.py", "tests/test_sampling.py",
-                  "tests/test_checkpoint_layout.py", "-k",
+                  "tests/test_checkpoint_layout.py",
+                  "tests/test_plan.py::test_write_refreshes_only_the_measured_section",
+                  "tests/test_ledger.py::test_the_checklists_measured_section_shows_the_ledger",
+                  "-k",
                   "not tasks_sections_are_checked and not answer_help or answer_help and train")
     assert " passed" in proc.stdout
     if not answers.get("checkpoint_dir", "").startswith("s3://"):

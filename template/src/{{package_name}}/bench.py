@@ -1,7 +1,6 @@
 """Checkpoint performance against what the machine allows, measured in one run.
 
-The command `python -m <package>.bench`; its code and usage are in `tools/bench.py`.
-"""
+The command `python -m <package>.bench`; its code and usage are in `tools/bench.py`."""
 
 import sys
 

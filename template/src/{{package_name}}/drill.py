@@ -1,7 +1,6 @@
 """The interruption drill: lose a run the hard way, resume it, and check that nothing changed.
 
-The command `python -m <package>.drill`; its code and usage are in `tools/drill.py`.
-"""
+The command `python -m <package>.drill`; its code and usage are in `tools/drill.py`."""
 
 import sys
 

@@ -1,7 +1,6 @@
 """Export a checkpoint's model weights: a Hugging Face model directory or one torch.save file.
 
-The command `python -m <package>.export`; its code and usage are in `tools/export.py`.
-"""
+The command `python -m <package>.export`; its code and usage are in `tools/export.py`."""
 
 import sys
 

@@ -1,7 +1,6 @@
 """Where the machine time of a run went, over every start, and the measured MTBI.
 
-The command `python -m <package>.goodput`; its code and usage are in `ledger/command.py`.
-"""
+The command `python -m <package>.goodput`; its code and usage are in `ledger/command.py`."""
 
 import sys
 

@@ -1,7 +1,6 @@
 """Memory check: resident memory of a training run does not grow with the token data's size.
 
-The command `python -m <package>.memcheck`; its code and usage are in `tools/memcheck.py`.
-"""
+The command `python -m <package>.memcheck`; its code and usage are in `tools/memcheck.py`."""
 
 import sys
 

@@ -1,7 +1,6 @@
 """The checkpoint interval plan on the command line.
 
-The command `python -m <package>.plan`; its code and usage are in `tools/plan.py`.
-"""
+The command `python -m <package>.plan`; its code and usage are in `tools/plan.py`."""
 
 import sys
 

@@ -1,7 +1,6 @@
 """Tokenize text or JSONL files into the token directory that ``data.kind: tokens`` reads.
 
-The command `python -m <package>.prepare_data`; its code and usage are in `tools/prepare_data.py`.
-"""
+The command `python -m <package>.prepare_data`; its code and usage are in tools/prepare_data.py."""
 
 import sys
 

@@ -1,7 +1,6 @@
 """Restart training from the newest complete checkpoint, on this or another number of GPUs.
 
-The command `python -m <package>.resume`; its code and usage are in `launch/supervisor.py`.
-"""
+The command `python -m <package>.resume`; its code and usage are in `launch/supervisor.py`."""
 
 import sys
 

@@ -1,7 +1,6 @@
 """Train under a seeded stream of faults and hold the plan's badput against the ledger's.
 
-The command `python -m <package>.soak`; its code and usage are in `ledger/soak.py`.
-"""
+The command `python -m <package>.soak`; its code and usage are in `ledger/soak.py`."""
 
 import sys
 

@@ -73,9 +73,7 @@ def loss_and_metrics(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
     return loss, {}
 
 
-
 def eval_summary(means: dict[str, float]) -> dict[str, float]:
-    """Figures of the whole evaluation, from its sample-weighted means: the perplexity is
-    exp of the mean loss (a mean of per-batch perplexities would depend on how the eval
-    set was cut into batches, and so on the number of ranks)."""
+    """Figures of the whole evaluation from its sample-weighted means: perplexity is exp of
+    the mean loss (a mean of per-batch perplexities would depend on the number of ranks)."""
     return {"perplexity": math.exp(means["loss"])}

@@ -1,7 +1,6 @@
 """Train, resuming from the newest complete checkpoint when there is one.
 
-The command `python -m <package>.train`; its code and usage are in `loop/job.py`.
-"""
+The command `python -m <package>.train`; its code and usage are in `loop/job.py`."""
 
 import sys
 

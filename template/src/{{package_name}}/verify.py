@@ -1,7 +1,6 @@
 """Check checkpoints against the checksums their commit.json recorded.
 
-The command `python -m <package>.verify`; its code and usage are in `tools/verify.py`.
-"""
+The command `python -m <package>.verify`; its code and usage are in `tools/verify.py`."""
 
 import sys
 

@@ -1,6 +1,7 @@
 """The checkpointer: the training loop's one checkpoint object.
 
-The loop calls it at a few moments, as torchtitan's trainer calls its own:
+The loop calls it as torchtitan's trainer calls its own; every checkpoint decision is
+made here or below, alike on every rank:
 
     checkpointer = Checkpointer.open(cfg, runtime, metrics, stop)   # storage, lease
     resumed = checkpointer.load(trainer)          # choose, check and load; None: fresh
@@ -8,10 +9,6 @@ The loop calls it at a few moments, as torchtitan's trainer calls its own:
     decision = checkpointer.at_step_end(step, last_step=...)   # each step: save? stop?
     outcome = checkpointer.close(step, decision)  # finish the save in flight, verdict
     checkpointer.release()                        # the lease; whether a save was abandoned
-
-Every checkpoint decision is made here or below, the same on every rank: the interval
-and the final save (``policy``, ``final_save``), failing saves (``failed_saves``), the
-checkpoint to resume from (``load/restore``), the lease on ``checkpoint.dir`` (``store``).
 """
 
 from __future__ import annotations
@@ -43,9 +40,8 @@ __all__ = ["CheckpointRefused", "Checkpointer", "StepDecision", "TrainingState"]
 
 
 class CheckpointRefused(Refused, RuntimeError):
-    """checkpoint.dir cannot be used by this job: unusable storage or another job holds
-    its lease (``status`` 2), or the storage stayed unreachable for
-    checkpoint.storage_retry_s (73: run again). The message is one sentence."""
+    """checkpoint.dir is unusable or its lease held (``status`` 2), or the storage stayed
+    unreachable for checkpoint.storage_retry_s (73: run again). A one-sentence message."""
 
 
 class Checkpointer:
@@ -55,30 +51,23 @@ class Checkpointer:
                  allow: Callable[[float], contextlib.AbstractContextManager] | None,
                  memory: MemoryTier | None = None) -> None:
         self.cfg, self.runtime, self.metrics = cfg, runtime, metrics
-        self.boundary = boundary
-        self.pipeline = pipeline
-        self.lease = lease
+        self.boundary, self.pipeline, self.lease = boundary, pipeline, lease
         self.memory = memory   # the memory tier (checkpoint.memory_interval_steps), or None
         self.first_start = newest_step is None   # no committed checkpoint at the start
         self._newest_step = newest_step
         self._training: TrainingState | None = None
         self._allow = allow
         self._policy: SavePolicy | None = None
-        self._start_step = 0
-        self._warm = False
+        self._start_step, self._warm = 0, False
 
     # ------------------------------------------------------------------ start --
     @classmethod
     def open(cls, cfg: Config, runtime: Runtime, metrics: MetricsLog, boundary: StepBoundary,
              *, allow: Callable[[float], contextlib.AbstractContextManager] | None = None,
              continues: bool = False) -> Checkpointer:
-        """Open checkpoint.dir for this job: a storage probe, the lease, a clean root, and
-        the memory tier (its copies are kept only when the start ``continues`` a run).
-
-        Raises CheckpointRefused on every rank when the storage cannot be used or another
-        job holds the lease. ``allow(seconds)`` widens the step watchdog's bound while a
-        save with bounds of its own runs (recovery.watchdog.StepWatchdog.allow).
-        """
+        """Probe checkpoint.dir, take its lease, clean it, open the memory tier (its copies
+        kept only when the start ``continues`` a run); CheckpointRefused on every rank.
+        ``allow(seconds)`` widens the step watchdog's bound (StepWatchdog.allow)."""
         ckpt = cfg.checkpoint
         storage = open_storage(ckpt.dir)
         try:  # before the lease and the model: a full or read-only checkpoint.dir fails now
@@ -107,10 +96,8 @@ class Checkpointer:
         return cls(cfg, runtime, metrics, boundary, pipeline, lease, newest, allow, memory)
 
     def load(self, training: TrainingState) -> Committed | None:
-        """Load the newest checkpoint that loads into ``training`` (falling back to older
-        ones); None when there is none. Raises IncompatibleCheckpoint or
-        CheckpointUnusable (exit status 2). From now on saves take their state from
-        ``training``."""
+        """Load the newest checkpoint that loads into ``training`` (else older ones), or
+        None; IncompatibleCheckpoint or CheckpointUnusable (exit 2). Saves then use it."""
         self._training = training
         resumed = None
         if self.memory is not None:   # the nearest copy: memory when not older than durable
@@ -137,12 +124,10 @@ class Checkpointer:
         return self.pipeline.storage
 
     def newest_recoverable_step(self) -> int | None:
-        """The newest step a restart could come back to, as rank 0 sees it at the start:
-        the newest committed checkpoint, or a newer memory copy of rank 0's state on its
-        node. The no-progress guard compares it from one start to the next."""
+        """At the start, on rank 0: the newest committed step, or a newer memory copy of
+        rank 0's state (the no-progress guard compares it across starts)."""
         memory = self.memory.newest_own_step() if self.memory is not None else None
-        steps = [s for s in (self._newest_step, memory) if s is not None]
-        return max(steps, default=None)
+        return max([s for s in (self._newest_step, memory) if s is not None], default=None)
 
     # ------------------------------------------------------------- each step --
     def maybe_wait_for_staging(self) -> None:
@@ -150,10 +135,9 @@ class Checkpointer:
         self._saves().before_optimizer_step()
 
     def at_step_end(self, step: int, *, last_step: bool = False) -> StepDecision:
-        """The step boundary after ``step``: commit what finished, vote, then save, stop
-        (saving at the stop if the grace period allows) or go on. The call before the
-        first step starts the background checkpoint process and only votes. (torchtitan's
-        ``save(step, last_step)``; named for the moment, since it decides more than a save.)"""
+        """After ``step``: commit what finished, vote, then save, stop (saving if the grace
+        allows) or go on. The call before the first step starts the background checkpoint
+        process and only votes. (torchtitan's ``save(step, last_step)``.)"""
         policy = self._saves()
         if not self._warm:
             self._warm = True
@@ -171,9 +155,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------- end --
     def close(self, step: int, last: StepDecision) -> StepDecision:
-        """Finish the save in flight (bounded) and release its buffers; the run's verdict:
-        ``last`` when the loop stopped for a stop or failing saves, else "finished" when
-        the state at ``step`` is committed, "not_saved" when it is not."""
+        """Finish the save in flight (bounded), free its buffers; the verdict: ``last`` if
+        the loop stopped, else "finished" if ``step`` is committed, else "not_saved"."""
         policy = self._saves()
         with self._allowance(False):
             policy.finish(self.boundary)
@@ -195,16 +178,12 @@ class Checkpointer:
             f"is {newest}"))
 
     def release(self) -> bool:
-        """Give up the lease. Returns whether a background save was abandoned while it may
-        still run (the process must then leave without waiting for it)."""
+        """Give up the lease; whether an abandoned save may still run (exit without waiting)."""
         if self.lease is not None:
             self.lease.release()
         return self.pipeline.abandoned
 
-    # ------------------------------------------------ what the benchmark drives --
-    # bench measures the loop with this checkpointer: it sets the interval itself, asks
-    # which steps saved, and waits for a save outside its timed phases. Training never
-    # calls these.
+    # ------------------ for bench (sets the interval, waits outside its timed phases) --
     def set_interval(self, steps: int) -> None:
         self._saves().interval_steps = steps
 
@@ -224,15 +203,13 @@ class Checkpointer:
 
     @property
     def synchronous(self) -> bool:
-        """Whether saves are written synchronously (checkpoint.async_mode sync, or since
-        a background save failed or the checkpoint process did not start)."""
+        """Whether saves are synchronous (async_mode sync, a failed background save, no process)."""
         return self._saves().synchronous
 
     @property
     def failed_saves(self) -> int:
         return self.pipeline.failed_saves
 
-    # ------------------------------------------------------------------------ --
     @property
     def policy(self) -> SavePolicy:
         """The save decisions (the benchmark sets their interval; training never does)."""
@@ -244,10 +221,8 @@ class Checkpointer:
         return self._policy
 
     def _allowance(self, at_stop: bool) -> contextlib.AbstractContextManager:
-        """The watchdog's extra time for work with bounds of its own: for a save, the wait
-        for the save in flight (checkpoint.wait_timeout_s); for a stop, the grace period;
-        and four times the newest measured write (before any:
-        recovery.first_step_timeout_s)."""
+        """The watchdog's extra time: checkpoint.wait_timeout_s (a save) or the grace
+        period (a stop), plus 4x the newest write (before any: first_step_timeout_s)."""
         if self._allow is None:
             return contextlib.nullcontext()
         estimate = self._saves().save_estimate_s()
@@ -258,8 +233,7 @@ class Checkpointer:
 
 def best_rule(cfg: Config) -> BestRule:
     """checkpoint.keep_best, best_metric and best_mode as the layout applies them."""
-    ckpt = cfg.checkpoint
-    return BestRule(ckpt.keep_best, ckpt.best_metric, ckpt.best_mode)
+    return BestRule(cfg.checkpoint.keep_best, cfg.checkpoint.best_metric, cfg.checkpoint.best_mode)
 
 
 def _take(lease: Lease | None) -> str | None:
@@ -283,9 +257,8 @@ def _newest_step(pipeline: SavePipeline) -> int | None:
 
 def _open_memory_tier(cfg: Config, runtime: Runtime, metrics: MetricsLog,
                       continues: bool) -> MemoryTier | None:
-    """The memory tier when checkpoint.memory_interval_steps turns it on. It is rendered
-    with the copier answer memory_tier; the config refuses the setting without it
-    (config/parts.py), so the import below finds it whenever it runs."""
+    """The memory tier, when checkpoint.memory_interval_steps is set (the config refuses
+    that unless memory_tier rendered it: config/parts.py)."""
     if not cfg.checkpoint.memory_interval_steps:
         return None
     from .memory.tier import MemoryTier, MemoryTierUnusable

@@ -1,12 +1,10 @@
 """When failing saves end training: a budget in count and in time.
 
-Training stops with exit 73 only once both are spent: ``checkpoint.max_failed_saves``
-saves in a row have failed, and none has committed for ``checkpoint.max_failed_saves_s``
-(before this start's first commit, counted from when its training began). Why both, and
-the bounds that follow: docs/RECOVERY.md, "When failing saves stop training".
-
-Every rank decides alike: the count is the step-boundary vote's (the most failed saves
-on any rank), the seconds rank 0's, which alone commits (``decide_on_rank0``).
+Training stops with exit 73 only once ``checkpoint.max_failed_saves`` saves in a row
+have failed and none has committed for ``checkpoint.max_failed_saves_s`` (counted from
+this start's training until its first commit). Every rank decides alike: the count is
+the step-boundary vote's (the most on any rank), the seconds rank 0's (it alone commits).
+Why both: docs/RECOVERY.md, "When failing saves stop training".
 """
 
 from __future__ import annotations
@@ -31,12 +29,11 @@ class FailedSaves:
         self._committed_at = clock()        # nothing of this start is at risk before it
 
     def committed(self) -> None:
-        """A save committed (rank 0: the only one that commits)."""
+        """A save committed (rank 0)."""
         self._committed_at = self.clock()
 
     def count(self, failed_saves: int) -> bool:
-        """At a due step, with the vote's count of failed saves (the same on every rank):
-        whether a save failed since the last due step. One that did not resets the row."""
+        """At a due step, with the vote's count: whether a save failed since the last one."""
         if failed_saves <= self._seen:
             self.in_a_row = 0
             return False
@@ -45,8 +42,8 @@ class FailedSaves:
         return True
 
     def spent(self) -> bool:
-        """Whether the failures in a row end training (call on every rank after ``count``
-        found a failure: a collective once the count is spent)."""
+        """Whether the failures end training (every rank, after ``count`` found one: a
+        collective once the count is spent)."""
         if self.in_a_row < self.max_in_a_row:
             return False
         self.seconds_without_commit = float(
@@ -63,8 +60,8 @@ class FailedSaves:
                 f"the last: {last_error}")
 
     def waiting(self) -> str | None:
-        """After ``spent`` said no: the line for the log when the count has just been spent
-        and only the time holds training on (once a row: every failure is logged anyway)."""
+        """After ``spent`` said no: a log line once a row, when the count has just been
+        spent and only the time keeps training on."""
         if self.in_a_row != self.max_in_a_row:
             return None
         return (f"{self.in_a_row} save(s) in a row failed, none committed for "

@@ -2,7 +2,7 @@
 grace period allows (a stop is one more reason to save, as in Orbax's preemption policy).
 
 ``SavePolicy.decide`` calls ``stop`` once all ranks voted to stop at a step boundary; the
-decisions of a stop and its figures are in docs/RESUMING.md.
+decisions and figures: docs/RESUMING.md.
 """
 
 from __future__ import annotations
@@ -31,11 +31,8 @@ class StepBoundary(Protocol):
 
     @property
     def requested(self) -> bool: ...
-
     def vote(self, failed_saves: int = 0) -> Vote: ...
-
     def agreed_source(self, step: int) -> tuple[str, int, str, list[int]]: ...
-
     @property
     def signals_received(self) -> int: ...
 
@@ -65,14 +62,9 @@ def _skip_reason(newest: int | None, step: int, deadline: float, estimate: float
 
 
 def stop(policy: SavePolicy, step: int, requested_at: float, boundary: StepBoundary) -> Stopped:
-    """Drain the in-flight save, then commit a final one at ``step`` if the grace allows.
-
-    Time runs from the earliest request on any rank; the deadline is that plus the
-    grace period. The drain gives up at the deadline; a final save that the measured
-    save time says cannot fit is not started, and the newest committed checkpoint
-    stays the one to resume from. Either way nothing torn can count: only a commit
-    makes a checkpoint.
-    """
+    """Drain the in-flight save, then commit a final one at ``step`` if the grace allows:
+    the deadline is the earliest request on any rank plus the grace period, and a final
+    save the measured save time says cannot fit is not started."""
     grace = boundary.grace_period_s
     deadline = requested_at + grace
     source, source_rank, detail, rank_steps = boundary.agreed_source(step)
@@ -86,10 +78,9 @@ def stop(policy: SavePolicy, step: int, requested_at: float, boundary: StepBound
     policy.metrics.say(f"stop requested ({what}) at step {step}{draining}; "
                      f"grace period {grace:g} s")
 
-    # 1. Drain: the save in flight commits, or fails (a signal sent to the process group
-    #    also kills DCP's checkpoint process), or is given up at the deadline. A drain
-    #    that ran out of time on any rank counts: rank 0 must not plan on time that
-    #    rank lacks.
+    # 1. Drain: the save in flight commits, fails (a signal to the process group also kills
+    #    DCP's checkpoint process) or is given up at the deadline. A drain that ran out of
+    #    time on any rank counts: rank 0 must not plan on time that rank lacks.
     drained, timed_out = policy.drain(timeout=deadline - time.time())
     committed_at = time.time() if drained is not None else None
     (drain_timed_out,) = any_rank(timed_out)
@@ -97,8 +88,7 @@ def stop(policy: SavePolicy, step: int, requested_at: float, boundary: StepBound
     # 2. Final save at this step, decided by rank 0.
     estimate = policy.save_estimate_s()
     newest = policy.newest_step
-    skip = decide_on_rank0(
-        lambda: _skip_reason(newest, step, deadline, estimate, drain_timed_out))
+    skip = decide_on_rank0(lambda: _skip_reason(newest, step, deadline, estimate, drain_timed_out))
     final = None
     if skip is None:
         try:
@@ -109,9 +99,8 @@ def stop(policy: SavePolicy, step: int, requested_at: float, boundary: StepBound
         if final is not None:
             committed_at = time.time()
 
-    finished = time.time()
     to_commit = committed_at - requested_at if committed_at is not None else None
-    grace_left = deadline - finished
+    grace_left = deadline - time.time()
     resume_step = policy.newest_step
     policy.metrics.event(
         Event.preemption, source=source, source_rank=source_rank, detail=detail,

@@ -1,14 +1,10 @@
 """The save decisions: when to save, one save at a time, failing saves.
 
-The checkpointer asks once per step boundary, ``decide(step, boundary)``, and gets a
-``StepDecision``: a save is due every ``checkpoint.interval_steps`` steps and at the last
-step; the previous save finishes first (its staging buffers are reused); all ranks vote,
-so that every rank decides alike and no save starts after a stop request (the stop and
-its final save: ``final_save.py``). Every wait is bounded and shared by the ranks; a due
-save does not wait for an overdue predecessor (``OVERDUE_MIN_S``, ``OVERDUE_FACTOR``);
-after a failed background save every later save is synchronous; failing saves stop
-training with exit status 73 (``failed_saves.py``). The why and the figures:
-docs/PREEMPTION.md ("Bounded waits") and docs/RECOVERY.md.
+``decide(step, boundary)``, once per step boundary, gives a ``StepDecision``: a save is
+due every ``checkpoint.interval_steps`` steps and at the last step, once the previous one
+finished; all ranks vote, so no save starts after a stop request (``final_save.py``).
+Every wait is bounded and shared by the ranks; after a failed background save, saves are
+synchronous; failing saves end training (``failed_saves.py``). docs/PREEMPTION.md.
 """
 
 from __future__ import annotations
@@ -35,9 +31,8 @@ from .store.layout import Committed
 log = logging.getLogger(__name__)
 
 WAIT_SLICE_S = 0.1  # how often a wait for the previous save looks for a stop request
-# A save in flight longer than this (and than OVERDUE_FACTOR x the newest write time) is
-# overdue: a due save no longer waits for it on the training path, but is left to the
-# next due step (the predecessor is still given up after checkpoint.wait_timeout_s).
+# A save in flight longer than OVERDUE_MIN_S and OVERDUE_FACTOR x the newest write is
+# overdue: a due save no longer waits for it but is left to the next due step.
 OVERDUE_MIN_S = 10.0
 OVERDUE_FACTOR = 3.0
 
@@ -67,8 +62,7 @@ class SavePolicy:
         self.wait_timeout_s = wait_timeout_s
         self.allowance = allowance
         self.failures = FailedSaves(max_failed_in_a_row, max_failed_s, clock)
-        self._state = state
-        self._record = record
+        self._state, self._record = state, record
         self.metrics = metrics
         self.synchronous = False
         self.resumed_from: Committed | None = None
@@ -83,29 +77,24 @@ class SavePolicy:
         return step == self.final_step or step % self.interval_steps == 0
 
     def warm_up(self, timeout_s: float, *, stage: bool, process_log: str | None = None) -> None:
-        """Start the background checkpoint process before the first step (all ranks);
-        ``wait_ready`` waits for it before the first save, so the first steps train while
-        it starts.
-
-        ``stage`` also fills the staging buffers, in the background, from the state as it
-        is: only once
-        the optimizer has state (after a resume), since asking an optimizer without state
-        for its state dict initialises it with a step of its own.
-        """
+        """Start the background checkpoint process before the first step (all ranks); the
+        first steps train while it starts (``wait_ready``). ``stage`` also fills the staging
+        buffers: only when the optimizer has state (after a resume), since asking one
+        without state for its state dict initialises it with a step of its own."""
         self._warm_up_began = time.perf_counter()
         failure = self.pipeline.warm_up(self._state() if stage else None, timeout_s,
                                        process_log)
         (failed_somewhere,) = any_rank(failure is not None)
         if failed_somewhere:
-            self._go_synchronous(self.progress_step(), "the background checkpoint process did "
-                                 f"not start on every rank ({failure or 'on another rank'})")
+            self._go_synchronous(int(self._state()["progress"].step), "the background "
+                                 "checkpoint process did not start on every rank "
+                                 f"({failure or 'on another rank'})")
         elif self.pipeline.mode.value != "sync":
             self._prestage = not stage
             self._starting = True
 
     def wait_ready(self, step: int) -> None:
-        """Before the first save (every rank at the same step): the checkpoint process
-        ``warm_up`` started is up, or saves go synchronous. Logs when it became ready."""
+        """Before the first save (all ranks, one step): the process is up, else saves go sync."""
         if not self._starting:
             return
         self._starting = False
@@ -120,33 +109,25 @@ class SavePolicy:
         took = time.perf_counter() - self._warm_up_began
         self.metrics.event(Event.phase, step=step, phase=Phase.checkpoint_process_ready.value,
                            at=round(time.time(), 3), duration_s=round(took, 3),
-                           waited_s=round(waited, 3),
-                           off_the_path=True)   # the first steps trained meanwhile
+                           waited_s=round(waited, 3), off_the_path=True)
         self.metrics.say(f"background checkpointing ready {took:.2f} s after it was started "
                          "(the first steps trained meanwhile)")
 
-    def progress_step(self) -> int:
-        return int(self._state()["progress"].step)
-
     def decide(self, step: int, boundary: StepBoundary, *, trained: bool = True,
                last_step: bool = False) -> StepDecision:
-        """Commit what has finished, vote, then stop (saving within the grace period) or
-        start a save if one is due. ``trained``: a step was trained since the start (the
-        call before the first step only votes). Saves and the stop run under
-        ``allowance(at_stop)``, the watchdog's extra time for work with bounds of its own."""
+        """Commit what finished, vote, then stop (saving within the grace) or start a due
+        save, under ``allowance(at_stop)``. ``trained``: a step was trained since the start
+        (the call before the first step only votes)."""
         self._report(self.pipeline.poll())
         due = trained and (last_step or self.due(step))
         if self._prestage and not due and not self.synchronous and trained:
-            # The optimizer has state now: the staging buffers are allocated in the
-            # background during the next step, not by the first save.
+            # The optimizer has state now: allocate the buffers during the next step.
             self._prestage = False
             self.pipeline.prestage(self._state())
-        deferred = False
+        waited, deferred = 0.0, False
         with self.allowance(False) if due else contextlib.nullcontext():
             if due:
                 waited, deferred = self._finish_previous(boundary, defer=not last_step)
-            else:
-                waited = 0.0
             vote = boundary.vote(failed_saves=self.pipeline.failed_saves)
         if due and self._starting:   # a stop saves synchronously: it needs no process
             with self.allowance(False):
@@ -158,8 +139,7 @@ class SavePolicy:
                                 why="interrupted" if stopped.by_user else "preempted")
         if deferred:
             self._say_deferred(step)
-            return StepDecision()
-        if not due:
+        if deferred or not due:
             return StepDecision()
         if self.failures.count(vote.failed_saves):  # a save failed since the last due step
             if self.failures.spent():
@@ -167,8 +147,7 @@ class SavePolicy:
                 return StepDecision(stop=True, why="not_saved", detail=self.failures.why(last))
             if (waiting := self.failures.waiting()) is not None:
                 self.metrics.say(waiting)
-            # A broken checkpoint process is left for synchronous saves; a save that only
-            # met unreachable storage is not (the process is fine: the next one may work).
+            # A broken process is left for synchronous saves; unreachable storage is not.
             (broken,) = any_rank(self.pipeline.broken_save)
             self.pipeline.broken_save = False
             if broken and not self.synchronous:
@@ -199,16 +178,11 @@ class SavePolicy:
 
     def _finish_previous(self, boundary: StepBoundary, *, stop_ends_wait: bool = True,
                          defer: bool = False) -> tuple[float, bool]:
-        """Wait, on every rank together, for the save in flight (one at a time).
-
-        The wait ends when the save is written on every rank; when a stop is requested
-        on any rank (the stop then drains it within the grace period); or, giving the
-        save up on every rank, when it failed on any rank or outlasted
-        ``checkpoint.wait_timeout_s`` (waited for, or with ``defer`` since it started).
-        With ``defer`` (a due save that is not the last) it also ends, the save left in
-        flight, once the save is overdue (``overdue_after_s``). Returns the seconds
-        waited (time on the training path) and whether it ended so.
-        """
+        """Wait, on every rank together, for the save in flight: until it is written on
+        every rank or a stop is requested on any; giving it up when it failed on any rank
+        or outlasted ``checkpoint.wait_timeout_s`` (waited, or with ``defer`` since it
+        started). With ``defer`` (a due save not the last) the save is left in flight once
+        overdue. Returns the seconds waited and whether it was left so."""
         began = time.perf_counter()
         failures_before = self.pipeline.failed_saves
         overdue_s = self.overdue_after_s() if defer else float("inf")
@@ -236,8 +210,7 @@ class SavePolicy:
                 return waited, True
 
     def overdue_after_s(self) -> float:
-        """How long a due save waits for the save in flight to be written, counted from
-        that save's start, before it leaves itself to the next due step."""
+        """How long after its start a save in flight is waited for by a due save."""
         return max(OVERDUE_MIN_S, OVERDUE_FACTOR * self.save_estimate_s())
 
     def _say_deferred(self, step: int) -> None:
@@ -270,10 +243,7 @@ class SavePolicy:
         return self.pipeline.in_flight_step
 
     def drain(self, timeout: float) -> tuple[SaveResult | None, bool]:
-        """Commit the save in flight within ``timeout`` s: (result, whether time ran out).
-
-        A save that does not finish in time is abandoned: its directory never counts.
-        """
+        """Commit the save in flight within ``timeout`` s, else abandon it; (result, timed out)."""
         try:
             result = self.pipeline.wait(timeout=timeout)
         except TimeoutError:
@@ -296,11 +266,8 @@ class SavePolicy:
         return self.resumed_from.step if self.resumed_from is not None else None
 
     def save_estimate_s(self) -> float:
-        """How long a synchronous save may take: the newest measured write time.
-
-        This run's last commit, else the one resumed from (its commit.json), else 0
-        (unknown: try anyway; a save cut off by the hard kill never counts).
-        """
+        """How long a synchronous save may take: the newest measured write (this run's,
+        else the resumed checkpoint's commit.json), else 0 (unknown: try anyway)."""
         if self.pipeline.last_committed is not None:
             return self.pipeline.last_committed.write_s
         if self.resumed_from is not None:

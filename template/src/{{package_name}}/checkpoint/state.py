@@ -1,8 +1,7 @@
 """Adapters that present training state to DCP as ``Stateful`` objects.
 
 DCP calls ``state_dict()`` when a save starts and ``load_state_dict()`` after a load has
-filled the tensors in place, so each adapter decides what its part looks like on disk.
-"""
+filled the tensors in place: each adapter decides what its part looks like on disk."""
 
 from __future__ import annotations
 
@@ -46,21 +45,12 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 class ModelAndOptimizer(Stateful):
     """Model and optimizer state, sharded as the model is (FSDP2) or replicated (DDP).
 
-    ``get_state_dict`` gives fully qualified parameter names, so the same checkpoint
-    loads into another world size or wrapper. It walks every module and parameter to
-    find those names, which costs more than the staging copy of a small shard (about
-    10 ms for 500 tensors), on the training path at every save. Its tensors are views of
-    the live parameters and optimizer state, which training updates in place, so the
-    result is kept and reused while the same tensor objects are in the same places
-    (``_layout``: parameters, buffers, optimizer state); the values that are not
-    tensors (the optimizer's hyperparameters, a step kept as a number) are read afresh
-    at every save. Anything else (a load replaces the optimizer's tensors, a new
-    parameter group) changes the layout, and ``get_state_dict`` runs again.
-    """
+    ``get_state_dict`` (fully qualified names: loads into another world size or wrapper)
+    walks every module, so its result, views of the live tensors, is reused while
+    ``_layout`` holds; non-tensor values are read afresh each save (docs/PERFORMANCE.md)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model = model
-        self.optimizer = optimizer
+        self.model, self.optimizer = model, optimizer
         self._cached: tuple[tuple, dict[str, Any], dict[str, Any]] | None = None
         self.reused = 0   # saves that reused the names (a test counts them)
 
@@ -89,8 +79,7 @@ class ModelAndOptimizer(Stateful):
         return params, buffers, groups, state
 
     def _refresh(self, optim_state: dict[str, Any]) -> bool:
-        """Read the non-tensor values of the optimizer afresh into the kept result;
-        False if the kept result does not line up with the optimizer's groups."""
+        """Read the optimizer's non-tensor values into the kept result; False if misaligned."""
         saved_groups = optim_state["param_groups"]
         if len(saved_groups) != len(self.optimizer.param_groups) or any(
                 len(g["params"]) != len(s["params"])
@@ -130,11 +119,8 @@ class Scheduler(Stateful):
 
 
 class RankRNG(Stateful):
-    """This rank's random number generators, under a key of its own.
-
-    DCP keeps one copy of values saved under the same key by several ranks, so each
-    rank's generator state needs its own key (``rank<r>``).
-    """
+    """This rank's random number generators, under a key of its own (``rank<r>``): DCP
+    keeps one copy of values saved under one key by several ranks."""
 
     def __init__(self, rank: int, device: torch.device) -> None:
         self.key = f"rank{rank}"

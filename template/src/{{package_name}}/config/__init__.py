@@ -27,8 +27,8 @@ from .schema import (
 
 __all__ = [
     "DEFAULT_CONFIG", "OBJECT_STORE_SCHEMES", "TASK_SECTIONS", "AsyncMode", "CheckpointConfig",
-    "Config", "ConfigError", "DistributedConfig", "EvalConfig", "LoaderConfig", "LogConfig", "NoticeSource",
-    "OnSaveError", "Parallelism", "PlanConfig", "Precision", "PreemptionConfig",
+    "Config", "ConfigError", "DistributedConfig", "EvalConfig", "LoaderConfig", "LogConfig",
+    "NoticeSource", "OnSaveError", "Parallelism", "PlanConfig", "Precision", "PreemptionConfig",
     "RecoveryConfig", "TaskContext", "TrainConfig", "VerifyMode", "load_config", "require",
     "task_section", "task_section_of_kind", "to_plain_dict",
 ]

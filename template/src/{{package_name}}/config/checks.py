@@ -1,8 +1,7 @@
 """The config's checks: ConfigError, ``require`` and the bounds declared beside the fields.
 
 A field states its bound where it is declared (``lr: float = bounded(3e-3, above(0))``);
-``check_bounds``, first in the section's ``__post_init__``, applies them in field order.
-"""
+``check_bounds``, first in the section's ``__post_init__``, applies them in field order."""
 
 from __future__ import annotations
 

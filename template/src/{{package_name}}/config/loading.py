@@ -23,10 +23,8 @@ MOVED_KEYS = {"data.num_workers": "loader.num_workers",
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read YAML (``configs/train.yaml`` by default) and apply ``key=value`` overrides.
-
-    Raises ConfigError with a message that names the offending key.
-    """
+    """Read YAML (``configs/train.yaml`` by default) and apply ``key=value`` overrides;
+    ConfigError names the offending key."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found (pass --config PATH)")
@@ -57,8 +55,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def _move_old_keys(merged: Any) -> None:
-    """Keys that moved (MOVED_KEYS) still work: their value goes to the new key, with a
-    one-line notice on stderr naming it."""
+    """A moved key (MOVED_KEYS) still works: its value goes to the new key, with a notice."""
     for old, new in MOVED_KEYS.items():
         section, key = old.split(".")
         values = merged[section]
@@ -94,12 +91,9 @@ Section = TypeVar("Section")
 
 def task_section(values: dict[str, Any], schema: type[Section], prefix: str,
                  ignore: tuple[str, ...] = ()) -> Section:
-    """Check a task-owned section (``model:``, ``data:``) against a dataclass of the task's.
-
-    Unknown keys, wrong types and the dataclass's own ``__post_init__`` checks all raise
-    ConfigError naming ``prefix.key``, so a task gets the harness's error messages (exit
-    status 2, no traceback) for its own keys. Keys in ``ignore`` belong to the harness.
-    """
+    """Check a task-owned section (``model:``, ``data:``) against a dataclass of the task's:
+    unknown keys, wrong types and its ``__post_init__`` checks raise ConfigError naming
+    ``prefix.key`` (exit 2, no traceback). Keys in ``ignore`` belong to the harness."""
     kept = {k: v for k, v in values.items() if k not in ignore}
     known = {f.name for f in dataclasses.fields(schema)}
     for key in kept:
@@ -118,12 +112,9 @@ def task_section(values: dict[str, Any], schema: type[Section], prefix: str,
 
 def task_section_of_kind(values: dict[str, Any], kinds: dict[str, type], prefix: str,
                          default: str, ignore: tuple[str, ...] = ()) -> tuple[str, Any]:
-    """``task_section`` for a section whose ``kind`` key chooses one of several dataclasses.
-
-    Returns the kind and its checked section. The other kinds' keys may stay in the
-    section (configs/train.yaml lists them all) and are left unchecked; a key of no kind
-    is refused like any unknown key.
-    """
+    """``task_section`` where the ``kind`` key chooses the dataclass: (kind, checked section).
+    The other kinds' keys may stay (configs/train.yaml lists them all), unchecked; a key of
+    no kind is refused like any unknown key."""
     kind = values.get("kind", default)
     if kind not in kinds:
         raise ConfigError(f"{prefix}.kind must be one of {', '.join(kinds)} (got {kind!r})")

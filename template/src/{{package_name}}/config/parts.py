@@ -1,11 +1,9 @@
 """The harness's optional parts, and whether this project was rendered with each.
 
 copier renders five parts only when their question says so (copier.yml; default: what a
-single-node job needs): the memory tier, the experiment trackers, the cloud notice
-pollers, straggler detection and the multi-node drill. The rest of the harness imports
-a part only where a setting turns it on, and the config refuses such a setting up front
-(exit 2) when the part is absent, naming the copier answer that adds it; docs/EXTENDING.md,
-"Optional parts", lists them.
+single-node job needs). The harness imports a part only where a setting turns it on, and
+refuses such a setting up front (exit 2) when the part is absent, naming the copier answer
+that adds it; docs/EXTENDING.md, "Optional parts".
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The default learning-rate schedule, a function of the ``train:`` keys alone.
-
-The default optimizer (loop.task_contract) follows it; the checkpointer uses it to say
-what a changed ``train.max_steps`` does to a resumed run.
-"""
+The default optimizer (loop.task_contract) follows it; the checkpointer uses it to say what
+a changed ``train.max_steps`` does to a resumed run."""
 
 from __future__ import annotations
 

@@ -115,30 +115,23 @@ class CheckpointConfig:
     async_mode: AsyncMode = AsyncMode.process
     verify: VerifyMode = VerifyMode.all   # checksums checked as a checkpoint is loaded
     on_error: OnSaveError = OnSaveError.keep
-    # failed saves in a row before training stops (on_error: keep)
-    max_failed_saves: int = bounded(3, at_least(1))
+    max_failed_saves: int = bounded(3, at_least(1))   # in a row, then training stops (keep)
     # ... and at least this long without a commit (docs/RECOVERY.md); 0: the count alone
     max_failed_saves_s: float = bounded(300.0, at_least(0, noun=SECONDS))
-    # longest wait for a save in flight before giving it up
-    wait_timeout_s: float = bounded(600.0, above(0, noun=SECONDS))
-    # longest wait for the background checkpoint process to start
-    start_timeout_s: float = bounded(120.0, above(0, noun=SECONDS))
+    wait_timeout_s: float = bounded(600.0, above(0, noun=SECONDS))   # for a save in flight
+    start_timeout_s: float = bounded(120.0, above(0, noun=SECONDS))  # for the checkpoint process
     strict_resume: bool = False     # a checkpoint that fails to load stops the run (no fallback)
     # another job's lease without a heartbeat this long is taken over
     lease_stale_s: float = bounded(120.0, above(0, noun=SECONDS))
-    # how long a start waits for a live lease to be released
-    lease_wait_s: float = bounded(60.0, above(0, noun=SECONDS))
+    lease_wait_s: float = bounded(60.0, above(0, noun=SECONDS))   # for a live lease's release
     # how long a command waits out unreachable storage (0: no retry)
     storage_retry_s: float = bounded(120.0, at_least(0, noun=SECONDS))
-    # the best checkpoints by best_metric, kept besides keep_last
-    keep_best: int = bounded(0, at_least(0, " (0 = off)"))
-    # a field of the eval event (eval_<metric>)
+    keep_best: int = bounded(0, at_least(0, " (0 = off)"))   # by best_metric, besides keep_last
     best_metric: str = bounded("eval_loss", Rule(lambda v: v.startswith("eval_"),
                                "must name an evaluation figure: eval_loss or eval_<metric>"))
     best_mode: str = bounded("min", one_of(("min", "max"), "must be min or max"))
     # a copy in host memory (and on a partner node) every N steps; 0: off
     memory_interval_steps: int = bounded(0, at_least(0, " (0 = off)"))
-    # where the node's memory copies live (a tmpfs: RAM)
     memory_dir: str = bounded("/dev/shm", Rule(lambda v: bool(v.strip()) and not _URL.match(v),
                               "must be a local directory (a tmpfs such as /dev/shm)"))
 
@@ -181,22 +174,18 @@ class PreemptionConfig:
 class RecoveryConfig:
     """Failures other than preemptions: in-place restarts, hangs, stragglers (docs/RECOVERY.md)."""
 
-    # torchrun --max-restarts: in-place restarts of all workers
-    max_restarts: int = bounded(3, at_least(0))
+    max_restarts: int = bounded(3, at_least(0))   # torchrun --max-restarts: all workers, in place
     # watchdog; 0 = automatic: max(60 s, 10 x median step time)
     step_timeout_s: float = bounded(0.0, at_least(0, " (0 = automatic)", SECONDS))
     # the first step of each start, and until steps are measured
     first_step_timeout_s: float = bounded(600.0, above(0, noun=SECONDS))
-    # the process group's bound on one collective
-    collective_timeout_s: float = bounded(900.0, above(0, noun=SECONDS))
+    collective_timeout_s: float = bounded(900.0, above(0, noun=SECONDS))  # one collective's bound
     # starts in a row without a new checkpoint; 0 = no limit
     max_attempts_without_progress: int = bounded(3, at_least(0))
-    # how often ranks compare their step times; 0 = never
-    straggler_every_steps: int = bounded(0, at_least(0))
+    straggler_every_steps: int = bounded(0, at_least(0))   # ranks compare step times; 0 = never
     # slower than the median of ranks by this factor: a straggler
     straggler_ratio: float = bounded(1.5, above(1, noun="a finite number"))
-    # several nodes: how long they wait for each other
-    rendezvous_timeout_s: float = bounded(120.0, above(0, noun=SECONDS))
+    rendezvous_timeout_s: float = bounded(120.0, above(0, noun=SECONDS))  # several nodes' wait
     warm_start: bool = True           # resume's workers forked from a pre-imported process
 
     def __post_init__(self) -> None:
@@ -204,8 +193,7 @@ class RecoveryConfig:
         require_part(parts.STRAGGLERS, not self.straggler_every_steps,
                      f"recovery.straggler_every_steps={self.straggler_every_steps}")
         # A hung step must meet the watchdog (stacks, a `hang` event, exit 124) before the
-        # process group's own timeout aborts the collective it hangs in (NCCL: exit -6,
-        # no event): every watchdog bound stays below the collective bound.
+        # collective's own timeout aborts it (NCCL: exit -6, no event).
         for key in ("first_step_timeout_s", "step_timeout_s"):
             value = getattr(self, key)
             require(value < self.collective_timeout_s, f"recovery.{key}",
@@ -218,7 +206,6 @@ class RecoveryConfig:
 class LogConfig:
     dir: str = "logs"
     every_steps: int = bounded(10, at_least(1))
-    # tensorboard, wandb, mlflow
     trackers: list[str] = field(default_factory=list, metadata=each(
         one_of(TRACKERS, f"names one of {', '.join(TRACKERS)}")))
 
@@ -232,8 +219,7 @@ class EvalConfig:
     """Evaluation on the task's held-out data (``build_eval_data`` in task.py)."""
 
     every_steps: int = bounded(0, at_least(0))  # evaluate every N steps; 0 = never during training
-    # eval micro-batches in all (over every rank); 0 = the whole set
-    max_batches: int = bounded(0, at_least(0))
+    max_batches: int = bounded(0, at_least(0))   # micro-batches over every rank; 0 = all of it
     at_end: bool = True         # evaluate after the last step
     micro_batch_size: int = bounded(0, at_least(0))   # 0 = train.micro_batch_size
 
@@ -246,8 +232,7 @@ class LoaderConfig:
     """The DataLoader the harness builds around the task's dataset."""
 
     num_workers: int = bounded(0, at_least(0))  # worker processes; 0 reads in the training process
-    # micro-batches each worker keeps ready (with num_workers > 0)
-    prefetch_factor: int = bounded(2, at_least(1))
+    prefetch_factor: int = bounded(2, at_least(1))   # micro-batches each worker keeps ready
     # auto = forkserver on CUDA, fork otherwise | fork | forkserver | spawn (docs/EXTENDING.md)
     start_method: str = bounded("auto", one_of(START_METHODS))
 
@@ -268,12 +253,10 @@ class PlanConfig:
     restart_s: float = bounded(120.0, at_least(0, " (seconds)", "a finite number"))
     badput_target_percent: float = bounded(5.0, Rule(
         lambda v: 0 < v < 100, "must be a number between 0 and 100, exclusive (percent)"))
-    # assumed share of interruptions that are crashes
-    crash_share: float = bounded(CRASH_SHARE, SHARE)
+    crash_share: float = bounded(CRASH_SHARE, SHARE)   # assumed share of interruptions
     # mtbi_hours is one node's: the plan uses mtbi_hours / nodes for the job
     nodes: int = bounded(1, at_least(1, " (nodes)", "a whole number"))
-    # assumed share that takes one node's memory away
-    node_loss_share: float = bounded(NODE_LOSS_SHARE, SHARE)
+    node_loss_share: float = bounded(NODE_LOSS_SHARE, SHARE)   # one node's memory lost
 
     def __post_init__(self) -> None:
         check_bounds(self, "plan")

@@ -1,14 +1,10 @@
 """Reading a config file: merge-conflict markers and YAML errors said in one sentence.
 
-``copier update`` that meets a local edit of configs/train.yaml leaves both sides in the
-file between git's markers and still exits 0. Without this, the next command would
-end in a yaml.scanner.ScannerError traceback. Here every command that reads a config
-(``load_config``) checks for markers first, then parses the file; either problem is
-one line naming the file, the line (for YAML also the column and the parser's words)
-and what to do, and the command exits 2.
-
-A marker is what ``git diff --check`` counts as one: seven ``<``, ``=``, ``>`` or ``|``
-at the start of a line, then a space or the end of the line.
+``copier update`` that meets a local edit of configs/train.yaml leaves git's conflict markers
+in the file and still exits 0. Every command that reads a config checks for markers first,
+then parses; either problem is one line naming the file, the line and what to do (exit 2),
+not a yaml.scanner traceback. A marker is what ``git diff --check`` counts as one: seven
+``<``, ``=``, ``>`` or ``|`` at the start of a line, then a space or the end of the line.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Byte-level windows of a text: the default task's data.
+"""Byte-level windows of a text: the default task's data (``TextConfig``: ``data:``).
 
-Its configuration is the ``data:`` section of configs/train.yaml, checked by
-``TextConfig``. Sample i is the window of ``seq_len + 1`` bytes starting at
-``i * seq_len``: inputs are its first ``seq_len`` bytes, targets the last ``seq_len``.
+Sample i is the ``seq_len + 1`` bytes from ``i * seq_len``: inputs its first ``seq_len``
+bytes, targets its last ``seq_len``.
 """
 
 from __future__ import annotations
@@ -63,8 +62,7 @@ class TextWindows(Dataset):
     vocab_size = 256  # bytes
 
     def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
-        self.tokens = tokens
-        self.seq_len = seq_len
+        self.tokens, self.seq_len = tokens, seq_len
 
     @classmethod
     def from_config(cls, cfg: TextConfig) -> TextWindows:

@@ -1,22 +1,17 @@
 """Fixed-length windows of a tokenized corpus on disk: the default task's ``data.kind: tokens``.
 
 A token directory (written by ``python -m <package>.prepare_data``) holds flat token
-files (``uint16`` when the vocabulary fits, else ``uint32``) and ``index.json`` (format,
-dtype, vocabulary size, separator, tokenizer, each file's token and document count). The
-files are one stream in index order, read lazily: a sample reads only its own window,
-with one ``os.pread`` per file it spans, so resident memory does not grow with the
-corpus (the bytes pass through the page cache, never mapped into the process).
-Memory-mapping did worse: the kernel maps whole large folios at each touch, and 500
-random windows of a 500 MB file added 428 MB of resident memory.
-
-Sample i is the ``seq_len + 1`` tokens from ``i * seq_len``, as in ``datasets/text.py``:
-inputs its first ``seq_len``, targets its last ``seq_len``. Windows run across document
-separators and file boundaries.
+files (``uint16`` when the vocabulary fits, else ``uint32``) and ``index.json``. The files
+are one stream in index order; a sample reads only its own window, one ``os.pread`` per
+file it spans, so resident memory does not grow with the corpus (memory-mapping did: whole
+large folios get mapped; 500 random windows of a 500 MB file added 428 MB).
+Samples are windowed as in ``datasets/text.py``, across separators and file boundaries.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -151,13 +146,10 @@ class TokenWindows(Dataset):
         return self._files
 
     def __getstate__(self) -> dict[str, Any]:
-        # DataLoader workers started with spawn get the dataset pickled: they open the
-        # files themselves. (Forked workers share the descriptors: pread keeps no offset.)
+        # Spawned workers open the files themselves; forked ones share them (pread has no offset).
         return {**self.__dict__, "_files": None}
 
     def __del__(self) -> None:
         for fd in self.__dict__.get("_files") or ():
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass

@@ -1,10 +1,9 @@
 """The checkpoint interval plan's model, the one source of its formulas: badput B(τ), Young's and
 Daly's intervals, the target window and bounds, the :class:`Plan`, and the two tiers (the memory
-tier against durable saves alone). docs/CHECKLIST.md states the model, its symbols and how the
-plan is computed; includes/plan.jinja (in the template) repeats these expressions for the
-copy-time checklist, and the template's tests hold the two together. The inputs, and what
-training measured, are in interval.inputs; text and JSON in interval.report, the plot in
-interval.plot; the command line is tools/plan.py.
+tier against durable saves alone). docs/CHECKLIST.md states the model and its symbols; the
+template's includes/plan.jinja repeats these expressions for the copy-time checklist (the
+template's tests hold the two together). Inputs: interval.inputs; text and JSON:
+interval.report; the command: tools/plan.py.
 """
 
 from __future__ import annotations
@@ -16,12 +15,9 @@ from dataclasses import dataclass
 from ..config.plan_defaults import CRASH_SHARE, NODE_LOSS_SHARE, SHARE_SLACK  # noqa: F401
 from .inputs import Inputs, Measured, MetricsError, PlanInputError, read_metrics  # noqa: F401
 
-# ---------------------------------------------------------------- formulas ----
-# `x ** 0.5` rather than math.sqrt, and the operations in the order written:
-# includes/plan.jinja computes the copy-time checklist with the same expressions
-# in Jinja, and identical operations give identical floats.
 
-
+# `x ** 0.5` rather than math.sqrt, and the operations in the order written: includes/plan.jinja
+# repeats these expressions in Jinja, and identical operations give identical floats.
 def badput(tau: float, inputs: Inputs) -> float:
     """Expected badput (fraction) with tau seconds of training between saves."""
     d, latency = inputs.blocking_seconds, inputs.commit_latency_seconds
@@ -82,11 +78,8 @@ def min_badput(inputs: Inputs) -> float:
 
 
 def target_window_seconds(inputs: Inputs) -> tuple[float, float] | None:
-    """The intervals tau (s) with B(tau) <= target, as (lowest, highest), or None.
-
-    With x = tau + δ, B(tau) <= target is x² - 2bx + 2δM <= 0 where
-    b = target·M - R - L, so x lies between the roots b ± √(b² - 2δM).
-    """
+    """The intervals tau (s) with B(tau) <= target, as (lowest, highest), or None: with
+    x = tau + δ and b = target·M - R - L, x lies between the roots b ± √(b² - 2δM)."""
     d, mtbi = inputs.blocking_seconds, inputs.mtbi_seconds
     b = inputs.target * mtbi - inputs.restart_seconds - inputs.commit_latency_seconds
     disc = b * b - 2 * d * mtbi
@@ -102,8 +95,7 @@ def max_interval_steps_for_target(inputs: Inputs) -> int | None:
         return None
     step, target, shortest = inputs.step_seconds, inputs.target, shortest_interval_steps(inputs)
     n = max(math.floor(window[1] / step), shortest - 1)
-    # The root is exact up to rounding, so the answer is n, n + 1 or n - 1:
-    # check the neighbours with B itself rather than trusting the floor.
+    # The root is exact up to rounding: check n ± 1 with B itself rather than trust the floor.
     while badput((n + 1) * step, inputs) <= target:
         n += 1
     for candidate in (n, n - 1):
@@ -117,9 +109,6 @@ def simple_bound_steps(inputs: Inputs) -> int | None:
     target, mtbi, step = inputs.target, inputs.mtbi_seconds, inputs.step_seconds
     bound = 2 * (target * mtbi - inputs.blocking_seconds) / step
     return math.floor(bound) if bound >= 1 else None
-
-
-# -------------------------------------------------------------------- plan ----
 
 
 @dataclass(frozen=True)
@@ -161,11 +150,8 @@ class Plan:
 
 
 def make_plan(inputs: Inputs, in_place_restart_seconds: float | None = None) -> Plan:
-    """Check the inputs (PlanInputError if out of range) and compute the plan.
-
-    With ``in_place_restart_seconds`` (R_in) the plan also says what in-place restarts
-    save at the inputs' MTBI and crash share.
-    """
+    """Check the inputs (PlanInputError if out of range) and compute the plan; with R_in
+    (``in_place_restart_seconds``) also what in-place restarts save."""
     inputs.check()
     if in_place_restart_seconds is not None and not (
             math.isfinite(in_place_restart_seconds) and in_place_restart_seconds >= 0):
@@ -180,27 +166,20 @@ def make_plan(inputs: Inputs, in_place_restart_seconds: float | None = None) -> 
         young_interval_seconds=young_interval(inputs.blocking_seconds, inputs.mtbi_seconds),
         daly_interval_seconds=daly_interval(inputs.blocking_seconds, inputs.mtbi_seconds),
         shortest_interval_steps=shortest_interval_steps(inputs),
-        interval_steps=n,
-        expected_badput=badput(n * step, inputs),
-        components=badput_components(n * step, inputs),
-        min_badput=min_badput(inputs),
+        interval_steps=n, expected_badput=badput(n * step, inputs),
+        components=badput_components(n * step, inputs), min_badput=min_badput(inputs),
         target_window_seconds=target_window_seconds(inputs),
         max_interval_steps=max_interval_steps_for_target(inputs),
         simple_bound_steps=simple_bound_steps(inputs),
-        half_interval_steps=half,
-        badput_at_half_interval=badput(half * step, inputs),
-        double_interval_steps=2 * n,
-        badput_at_double_interval=badput(2 * n * step, inputs),
+        half_interval_steps=half, badput_at_half_interval=badput(half * step, inputs),
+        double_interval_steps=2 * n, badput_at_double_interval=badput(2 * n * step, inputs),
         in_place_restart_seconds=in_place_restart_seconds,
         in_place_saving=(None if in_place_restart_seconds is None
                          else in_place_saving(inputs, in_place_restart_seconds)),
     )
 
 
-# --------------------------------------------------------------- two tiers ----
-# The same rule as above: includes/plan.jinja repeats these expressions, in this order.
-
-
+# The two tiers: the same rule as above, includes/plan.jinja repeats these expressions.
 def memory_share(inputs: Inputs) -> float:
     """a: the share of interruptions the memory tier covers, c + ν (c on one node)."""
     if inputs.nodes >= 2:
@@ -222,10 +201,8 @@ def durable_share(inputs: Inputs) -> float:
 
 def two_tier_badput(tau_d: float, tau_m: float | None, inputs: Inputs,
                     in_place_restart_seconds: float | None = None) -> float:
-    """B2(τ_d, τ_m); with tau_m None (the memory tier off) B1(τ_d).
-
-    R_in is the crash's restart time; None: R, every interruption rescheduled, as B assumes.
-    """
+    """B2(τ_d, τ_m); with tau_m None (the memory tier off) B1(τ_d). R_in: a crash's restart
+    time; None: R (every interruption rescheduled, as B assumes)."""
     d, latency, mtbi = inputs.blocking_seconds, inputs.commit_latency_seconds, inputs.mtbi_seconds
     dm, lm = inputs.memory_blocking, inputs.memory_commit_latency
     c, nu, r = inputs.crash_share, inputs.node_loss_share, inputs.restart_seconds
@@ -271,9 +248,8 @@ def break_even_memory_blocking(inputs: Inputs) -> float | None:
     return inputs.blocking_seconds * (1 - b**0.5) ** 2 / a
 
 
-# Shards of its own size each rank keeps in memory with the memory tier on, (own,
-# partner's): two slots each, both kept once written, so the steady state is the peak
-# (SLOTS in checkpoint/memory/copies.py, rendered with memory_tier).
+# (own, partner's) shards each rank keeps in memory with the tier on: two slots each, kept once
+# written, so steady state = peak (SLOTS, checkpoint/memory/copies.py, rendered with memory_tier).
 MEMORY_SHARDS = (2, 2)
 
 
@@ -340,8 +316,8 @@ def make_two_tier(plan: Plan, memory_interval_steps: int = 0,
     i = plan.inputs
     if isinstance(memory_interval_steps, bool) or not isinstance(memory_interval_steps, int) \
             or memory_interval_steps < 0:
-        raise PlanInputError("memory_interval_steps",
-                             f"must be a whole number >= 0, 0 = off (got {memory_interval_steps!r})")
+        raise PlanInputError("memory_interval_steps", "must be a whole number >= 0, 0 = off "
+                             f"(got {memory_interval_steps!r})")
     step, r = i.step_seconds, i.restart_seconds
     r_in = r if plan.in_place_restart_seconds is None else plan.in_place_restart_seconds
     n = plan.interval_steps

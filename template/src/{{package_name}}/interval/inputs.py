@@ -1,8 +1,7 @@
 """The plan's inputs: :class:`Inputs`, what the model plans with, and its range check; where
 each comes from in the config's `plan:` section (``FLAGS``, ``configured_inputs``: one mapping
-for every command that plans: ``plan``, ``goodput``, ``resume``'s notice); and what training
-measured (``read_metrics``: T, δ, L, R_in, δ_m from metrics.jsonl). The model is
-interval.formulas; docs/CHECKLIST.md ("Inputs") says what each input means."""
+for every command that plans); what training measured (``read_metrics``: T, δ, L, R_in, δ_m
+from metrics.jsonl). docs/CHECKLIST.md ("Inputs") says what each input means."""
 
 from __future__ import annotations
 
@@ -97,12 +96,9 @@ class Inputs:
                 "badput_target_percent",
                 f"must be between 0 and 100, exclusive (got {self.badput_target_percent:g})",
             )
-        if not 0 <= self.crash_share <= 1:
-            raise PlanInputError("crash_share",
-                                 f"must be between 0 and 1 (got {self.crash_share:g})")
-        if not 0 <= self.node_loss_share <= 1:
-            raise PlanInputError("node_loss_share",
-                                 f"must be between 0 and 1 (got {self.node_loss_share:g})")
+        for name in ("crash_share", "node_loss_share"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise PlanInputError(name, f"must be between 0 and 1 (got {getattr(self, name):g})")
         if self.crash_share + self.node_loss_share > 1 + SHARE_SLACK:
             raise PlanInputError(
                 "node_loss_share",
@@ -153,24 +149,21 @@ class Measured:
     warmup_only: bool  # every save left was a warm-up, so they were kept
     latency_raised: bool  # the median latency came out below the median blocking time
     skipped_lines: int
-    # R_in: median seconds from a failure to the first step after torchrun restarted the
-    # workers in place (``recovered`` events), None when none happened.
+    # R_in: median seconds from a failure to the first step of torchrun's in-place restarts
+    # (``recovered`` events), None without any.
     in_place_restart_seconds: float | None = None
     in_place_restart_count: int = 0
-    # δ_m and the time to commit and send a memory copy (``memory_save`` events, the
-    # first of each start left out as a warm-up), None when the memory tier was off.
+    # δ_m and a memory copy's commit + send (``memory_save`` events, the first of each start
+    # left out as a warm-up), None when the memory tier was off.
     memory_blocking_seconds: float | None = None
     memory_send_seconds: float | None = None
     memory_save_count: int = 0
 
 
 def read_metrics(path: str | os.PathLike) -> Measured:
-    """Medians of step time, save blocking time and commit latency from metrics.jsonl.
-
-    The first save after each start is a warm-up (a process save starts its
-    writer process then) and is left out while other saves remain. In-place restarts
-    (``recovered`` events) give R_in, when there were any.
-    """
+    """Medians of step time, save blocking time and commit latency from metrics.jsonl; the
+    first save after each start, a warm-up (a process save starts its writer then), is left
+    out while others remain; ``recovered`` events give R_in, ``memory_save`` events δ_m."""
     path = metrics_file(path)
     if not path.is_file():
         raise MetricsError(f"{path}: no such file (training writes it to <log.dir>/{METRICS_FILE})")
@@ -203,8 +196,7 @@ def read_metrics(path: str | os.PathLike) -> Measured:
             if not (_is_number(blocking) and _is_number(latency)):
                 skipped += 1
                 continue
-            # Time the loop waited for the previous save before this one could start is
-            # time on the training path too.
+            # The loop's wait for the previous save is on the training path too.
             waited = record.get("waited_s", 0.0)
             blocking = float(blocking) + (float(waited) if _is_number(waited) else 0.0)
             saves.append((str(record.get("reason")), blocking, float(latency),
@@ -227,8 +219,7 @@ def read_metrics(path: str | os.PathLike) -> Measured:
         step_seconds=statistics.median(step_times),
         step_count=len(step_times),
         blocking_seconds=blocking,
-        # Each save's latency includes its blocking time; clock noise aside,
-        # the medians keep that order. Keep the model's L >= δ either way.
+        # Each latency includes its blocking time; keep the model's L >= δ despite clock noise.
         commit_latency_seconds=max(latency, blocking),
         save_count=len(kept),
         save_reason=reason,

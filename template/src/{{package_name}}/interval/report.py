@@ -15,33 +15,24 @@ from .inputs import Inputs, Measured
 from .text import TEXT
 
 END_MARKER = "<!-- measured:end -->"
-# The begin marker carries the checklist's language so that --write can refresh
-# the section in the language the rest of the file is written in.
+# The begin marker names the checklist's language: --write refreshes the section in it.
 BEGIN_MARKER_RE = re.compile(r"<!-- measured:begin(?: lang=(?P<lang>[a-z]+))? -->")
-
-
-# -------------------------------------------------------------------- text ----
 
 
 def explain_unreachable(plan: Plan, lang: str = "en") -> str | None:
     """Why no interval meets the target and what would help; None when one does."""
     if plan.target_reachable:
         return None
-    i, c = plan.inputs, plan.components
-    text = TEXT[lang]
+    i, c, text = plan.inputs, plan.components, TEXT[lang]
     window = plan.target_window_seconds
     if window is None:
         return text["unreachable_floor"].format(
-            min=100 * plan.min_badput,
-            restart=100 * c["restart"],
-            commit=100 * c["commit_latency"],
-            floor=100 * min_saving_and_rework(i),
-        )
+            min=100 * plan.min_badput, restart=100 * c["restart"],
+            commit=100 * c["commit_latency"], floor=100 * min_saving_and_rework(i))
     shortest = plan.shortest_interval_steps
     if window[1] < shortest * i.step_seconds:
         return text["unreachable_short"].format(
-            hi=window[1], steps=shortest, seconds=shortest * i.step_seconds
-        )
+            hi=window[1], steps=shortest, seconds=shortest * i.step_seconds)
     return text["unreachable_grain"].format(lo=window[0], hi=window[1], step=i.step_seconds)
 
 
@@ -55,17 +46,13 @@ def format_plan(plan: Plan) -> str:
     i, c = plan.inputs, plan.components
     lines = [
         "Checkpoint plan",
-        (
-            f"  inputs: M = {mtbi_text(i)}, T = {i.step_seconds:g} s, "
-            f"δ = {i.blocking_seconds:g} s, L = {i.commit_latency_seconds:g} s, "
-            f"R = {i.restart_seconds:g} s, target = {i.badput_target_percent:g} %"
-        ),
-        (
-            f"  recommended interval: {plan.interval_steps} steps = {plan.interval_seconds:.1f} s "
-            f"({plan.interval_seconds / 60:.1f} min); "
-            f"Daly τ* = {plan.daly_interval_seconds:.1f} s, "
-            f"Young √(2δM) = {plan.young_interval_seconds:.1f} s"
-        ),
+        (f"  inputs: M = {mtbi_text(i)}, T = {i.step_seconds:g} s, "
+         f"δ = {i.blocking_seconds:g} s, L = {i.commit_latency_seconds:g} s, "
+         f"R = {i.restart_seconds:g} s, target = {i.badput_target_percent:g} %"),
+        (f"  recommended interval: {plan.interval_steps} steps = {plan.interval_seconds:.1f} s "
+         f"({plan.interval_seconds / 60:.1f} min); "
+         f"Daly τ* = {plan.daly_interval_seconds:.1f} s, "
+         f"Young √(2δM) = {plan.young_interval_seconds:.1f} s"),
         f"  expected badput: {100 * plan.expected_badput:.2f} %",
         f"    saving (blocked)    δ/(τ+δ)    {100 * c['saving']:6.2f} %",
         f"    rework              (τ+δ)/2M   {100 * c['rework']:6.2f} %",
@@ -76,19 +63,15 @@ def format_plan(plan: Plan) -> str:
     ]
     if plan.max_interval_steps is not None:
         n = plan.max_interval_steps
-        lines.append(
-            f"  largest interval that meets the {i.badput_target_percent:g} % target: "
-            f"{n} steps = {n * i.step_seconds:.1f} s"
-        )
+        lines.append(f"  largest interval that meets the {i.badput_target_percent:g} % target: "
+                     f"{n} steps = {n * i.step_seconds:.1f} s")
     else:
         lines.append(f"  the {i.badput_target_percent:g} % target cannot be met. "
                      + explain_unreachable(plan))
     bound = plan.simple_bound_steps
-    lines.append(
-        "  simplified bound N <= 2(target·M - δ)/T: "
-        + (f"{bound} steps" if bound is not None else "no interval (below one step)")
-        + f"; {SIMPLE_BOUND_NOTE}"
-    )
+    lines.append("  simplified bound N <= 2(target·M - δ)/T: "
+                 + (f"{bound} steps" if bound is not None else "no interval (below one step)")
+                 + f"; {SIMPLE_BOUND_NOTE}")
     return "\n".join(lines)
 
 
@@ -128,10 +111,8 @@ def to_json(plan: Plan) -> dict:
         "min_saving_and_rework_percent": 100 * min_saving_and_rework(i),
         "target_reachable": plan.target_reachable,
         "max_interval_steps_for_target": plan.max_interval_steps,
-        "max_interval_seconds_for_target": (
-            None if plan.max_interval_steps is None
-            else plan.max_interval_steps * i.step_seconds
-        ),
+        "max_interval_seconds_for_target": (None if plan.max_interval_steps is None
+                                            else plan.max_interval_steps * i.step_seconds),
         "target_window_seconds": None if window is None else list(window),
         "unreachable_reason": explain_unreachable(plan),
         "simple_bound_max_interval_steps": plan.simple_bound_steps,
@@ -160,8 +141,6 @@ def to_json(plan: Plan) -> dict:
         },
     }
 
-
-# ---------------------------------------------------------------- two tiers ----
 
 KIND_NAMES = {"crash": "crash", "node_loss": "node loss", "job_loss": "job loss"}
 KEEPS = {"node_memory": "the node's memory copy", "partner_copy": "the partner's copy",
@@ -264,9 +243,6 @@ def two_tier_json(two: TwoTierPlan) -> dict:
             for k in two.failure_kinds],
         "memory_shards_per_rank": dict(two.memory_shards),
     }
-
-
-# ---------------------------------------------------- measured section ----
 
 
 def render_measured_section(

@@ -2,15 +2,10 @@
 
     python -m <package>.launch.agent [--orphan-signal=NAME] <torchrun's arguments>
 
-It runs torchrun's ``main`` and turns the ``SignalException`` torchrun raises after a
-clean stop into one line; every other error keeps its traceback, and the exit status
-stays torchrun's (1), which ``resume`` translates (``launch/verdict.py``). It takes
-torchrun's arguments on every torch release the project runs on (docs/EXTENDING.md,
-"Torch releases"). Started by ``resume``, which puts ``--orphan-signal=NAME`` (the first
-of ``preemption.signals``) first, it gives itself that signal once ``resume`` is gone,
-and torchrun forwards it: the workers save and exit within the grace period. Run by hand
-(the command ``resume --dry-run`` prints) it does not watch its shell. docs/PREEMPTION.md,
-"Bounded waits" and the table of processes killed outright.
+It runs torchrun's ``main`` on any supported torch, a clean stop's ``SignalException``
+made one line (the status stays torchrun's 1: ``launch/verdict.py``). ``--orphan-signal``:
+once ``resume`` is gone it gives itself that signal, which torchrun forwards to the
+workers. docs/PREEMPTION.md, "Bounded waits".
 """
 
 import os
@@ -27,8 +22,7 @@ WARM_START = "--warm-start"           # workers forked from a zygote (launch/zyg
 
 
 def watched(command: list[str], stop: str) -> list[str]:
-    """``command`` (a ``torchrun_command``) with the agent told to stop the workers with
-    ``stop`` once the process that runs it is gone."""
+    """``command`` with the agent told to stop the workers with ``stop`` once its parent is gone."""
     at = next((i for i, arg in enumerate(command) if arg.endswith(".launch.agent")), None)
     if at is None:
         return list(command)     # not this agent: nothing to tell it

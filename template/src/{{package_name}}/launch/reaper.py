@@ -1,14 +1,9 @@
 """``resume`` waits for every process of its launch, the ones its agent leaves behind too.
 
-On Linux ``resume`` makes itself the child subreaper of its launch
-(``prctl(PR_SET_CHILD_SUBREAPER)``): a process of the launch whose parent dies is
-re-parented to ``resume``, not to init. The workers of a killed agent commit a final
-checkpoint and exit (``preemption/launcher.py``); the checkpoint process of a killed
-worker ends on its own (``runtime/lifeline.py``). ``resume`` reaps them before it judges
-the launch, so its exit status says what they did, and nothing of the old launch still
-writes into ``checkpoint.dir`` when the scheduler starts the next one. The wait is
-bounded (``shutdown_timeout_s``: the grace period and a margin); what is still running
-then is killed, and named (docs/PREEMPTION.md, the table of processes killed outright).
+On Linux ``resume`` is its launch's child subreaper: an orphan of the launch comes back to
+it and is reaped before the verdict, so nothing of the old launch still writes into
+``checkpoint.dir`` when the next one starts. The wait is bounded; what still runs is then
+killed and named (docs/PREEMPTION.md, the table of processes killed outright).
 """
 
 from __future__ import annotations
@@ -29,20 +24,13 @@ REAP_EVERY_S = 1.0             # while the agent runs: the zombies of dead worke
 
 
 class Launch:
-    """torchrun's agent, started by ``resume`` as the subreaper of what it starts.
-
-    ``signal`` passes a signal on (to the agent, or once it is gone to what it left);
-    ``wait`` waits for the agent and reaps the orphans that come back meanwhile;
-    ``wait_for_the_rest`` then waits for the processes it left behind. ``close`` (or the
-    end of a ``with``) makes this process an ordinary parent again.
-    """
+    """torchrun's agent, started by ``resume`` as the subreaper of what it starts."""
 
     def __init__(self, command: list[str]) -> None:
         was = ctypes.c_int(0)
         _prctl(PR_GET_CHILD_SUBREAPER, was)
         self._was_subreaper = was.value
-        # On Linux the workers of a killed agent come back to this process; elsewhere
-        # they go to init, and only the launch's own watches end them.
+        # Linux; elsewhere orphans go to init, and only the launch's own watches end them.
         self.subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
         self._before = frozenset(children(os.getpid()))   # not of this launch
         self.proc = subprocess.Popen(command)
@@ -71,9 +59,8 @@ class Launch:
                 self._reap(self.proc.pid)
 
     def wait_for_the_rest(self, bound_s: float, say) -> list[str]:
-        """Wait until no process of the launch is running, at most ``bound_s``, reaping
-        each. Then kill what is left (its whole tree) and return a description of each
-        process killed so; an empty list when everything ended on its own."""
+        """Reap the launch's processes for at most ``bound_s``, then kill (each whole tree)
+        and describe what is left."""
         deadline = time.monotonic() + bound_s
         running = self._reap()
         if running:
@@ -92,8 +79,7 @@ class Launch:
         return killed
 
     def _reap(self, *spare: int) -> list[int]:
-        """Collect every child of the launch that has exited, never blocking and never
-        the agent's status (``spare``) before Popen has it; the ones still running."""
+        """Reap exited children (not ``spare``: Popen's), never blocking; those still running."""
         running = []
         for pid in children(os.getpid()):
             if pid in self._before or pid in spare:
@@ -108,7 +94,6 @@ class Launch:
 
 
 def describe_death(pid: int, returncode: int) -> str:
-    """One line for an agent that died of a signal."""
     try:
         name = signal.Signals(-returncode).name
     except ValueError:

@@ -1,14 +1,9 @@
 """Restart training from the newest complete checkpoint, on this or another number of GPUs.
 
-    python -m <package>.resume [--nproc-per-node M|auto] [--nnodes N]
-                               [--rdzv-endpoint HOST:PORT] [--rdzv-id ID]
-                               [--rdzv-conf KEY=VALUE,...] [--config PATH]
-                               [--dry-run] [key=value ...]
-
-It skips damaged checkpoints, prints what changes and what does not, and runs torchrun
-with the training command: launchers and schedulers call it, so a restart is always the
-same line (docs/RESUMING.md). Its exit statuses: docs/PREEMPTION.md, "Exit status:
-finished, preempted, crashed"; torchrun's status becomes one in ``launch/verdict.py``.
+``python -m <package>.resume [options] [key=value ...]`` (``--help``) skips damaged
+checkpoints, prints what changes, and runs torchrun with the training command, so a
+restart is always the same line (docs/RESUMING.md). Exit statuses: docs/PREEMPTION.md;
+torchrun's status becomes one in ``launch/verdict.py``.
 """
 
 from __future__ import annotations
@@ -66,8 +61,7 @@ from .verdict import (
 from .warm import ZYGOTE_ENV
 from .zygote import Started
 
-# Forwarded to torchrun even when preemption.signals does not list them: Ctrl-C and the
-# signals schedulers use to announce the end of an allocation.
+# Forwarded even when preemption.signals omits them: Ctrl-C and schedulers' end signals.
 ALWAYS_FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1")
 
 
@@ -114,12 +108,8 @@ def resume_point(cfg: Config, checkpoint: Committed | None, world_size: int) -> 
 
 def _refuse_another_models_checkpoint(cfg: Config, storage: Storage,
                                      checkpoint: Committed) -> None:
-    """Raise ValueError when the checkpoint's model is not this configuration's model.
-
-    Skipped when the checkpoint recorded the same ``model:`` settings (training checks
-    the shapes again as it loads); otherwise the model is built on the meta device (no
-    memory, no weights; about a second of imports) for its shapes.
-    """
+    """Raise ValueError when the checkpoint's model is not this configuration's (unless its
+    ``model:`` settings match, the model is built on the meta device for its shapes)."""
     if checkpoint.record.get("config", {}).get("model") == to_plain_dict(cfg).get("model"):
         return
     from ..checkpoint.load import compat  # DCP's reader: imported only when it is needed
@@ -170,8 +160,7 @@ def node_count(value: str) -> int:
 
 
 def auto_nproc() -> int:
-    """CUDA GPUs of this node, else one process (torchrun's own auto would take every CPU
-    core, which rarely divides the batch)."""
+    """CUDA GPUs of this node, else 1 (torchrun's auto: every CPU core, rarely a divisor)."""
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
@@ -213,8 +202,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None, zygote: Started | None = None) -> int:
     """The command; ``zygote``: the one ``resume.py`` started ahead of its imports."""
     args = parse_args(argv)
-    # Warnings (e.g. a damaged checkpoint being skipped) go to stderr; stdout stays clean
-    # for --dry-run's JSON.
+    # Warnings go to stderr: stdout stays clean for --dry-run's JSON.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     too_old = torch_too_old()
@@ -241,9 +229,7 @@ def main(argv: list[str] | None = None, zygote: Started | None = None) -> int:
         if not args.dry_run:  # a missing bucket or a full disk: refused before the launch
             ckpt = cfg.checkpoint
             check_storage(storage, ckpt.keep_last + ckpt.keep_best, ckpt.storage_retry_s)
-        # What training will resume from. Its checksums are checked once, by training
-        # (rank 0, before loading): here the sizes and the commit record are enough,
-        # and a cloud store's bytes are not read an extra time.
+        # Sizes and the commit record only: training checks the checksums as it loads.
         checkpoint = with_retries(
             lambda: newest_complete_checkpoint(storage, verify=VerifyMode.none.value),
             f"checkpoint.dir={storage}", cfg.checkpoint.storage_retry_s)
@@ -255,8 +241,7 @@ def main(argv: list[str] | None = None, zygote: Started | None = None) -> int:
             with_retries(lambda: lease.acquire(take=False), f"checkpoint.dir={storage}",
                          cfg.checkpoint.storage_retry_s)
         point = resume_point(cfg, checkpoint, nproc * args.nnodes)
-    # ValueError: the launch builder's refusals; RuntimeError: an object-store URL
-    # whose driver is not installed.
+    # ValueError: the launch builder's refusals; RuntimeError: an object store's missing driver
     except (ConfigError, BatchSizeError, LeaseHeld, ValueError, RuntimeError) as exc:
         raise Refused(exc) from None
     except Exception as exc:
@@ -288,8 +273,7 @@ def main(argv: list[str] | None = None, zygote: Started | None = None) -> int:
 
 
 def _say_measured_mtbi(cfg: Config, storage: Storage) -> None:
-    """Unasked, once: the interruption history's MTBI when it excludes the configured one
-    (ledger/advice.py); the config is not changed."""
+    """The history's MTBI, unasked, when it excludes the configured one (ledger/advice.py)."""
     try:
         notice = mtbi_notice(cfg, storage, configured_inputs(cfg))
     except Exception:  # noqa: BLE001 - resuming does not depend on the history
@@ -307,13 +291,8 @@ def supervise(command: list[str], storage: Storage, before: Committed | None,
               preemption: PreemptionConfig, log_dir: Path, *, nodes: int = 1,
               recovery: RecoveryConfig | None = None, job_id: str | None = None,
               memory_tier: bool = False) -> int:
-    """Run torchrun, forward signals to it, wait for every process of the launch
-    (``launch/reaper.py``), and translate the exit status.
-
-    After a node loss (exit 74) this job has ended on every node: the lease its rank 0
-    held, perhaps on the lost machine, is removed, so that the next start is not kept
-    waiting until it goes stale.
-    """
+    """Run torchrun, forward signals to it, wait for every process of the launch, translate
+    its status; after a node loss (74) remove the job's lease, so no start waits for it."""
     launched_at = time.time()
     forwarded: list[str] = []
     pending: list[int] = []
@@ -361,10 +340,8 @@ def supervise(command: list[str], storage: Storage, before: Committed | None,
             lease = Lease(storage, stale_s=0.0, wait_s=0.0)  # only read, then removed
             holder = lease.release_for_ended_job(job_id)
         except Exception as exc:  # noqa: BLE001 - the store down: it goes stale in time
-            print(f"resume: could not release this job's lease "
-                  f"({exit_codes.error_line(exc, 160)})", file=sys.stderr, flush=True)
+            say(f"could not release this job's lease ({exit_codes.error_line(exc, 160)})")
         else:
             if holder is not None:
-                print(f"resume: released the lease of {holder}: this job has ended",
-                      file=sys.stderr, flush=True)
+                say(f"released the lease of {holder}: this job has ended")
     return status

@@ -1,15 +1,9 @@
 """The torchrun command line, built in one place for resume, drill and the launch files.
 
-It runs torchrun's own ``main`` through this package's agent (``launch/agent.py``), which
-takes the same arguments on every torch release the project runs on.
-
-torchrun forwards only the signals it is told to handle, and kills the workers
-``--shutdown-timeout`` seconds after forwarding one. Both must fit the preemption
-settings, or the final checkpoint is cut off mid-write. ``--max-restarts``
-(``recovery.max_restarts``) lets torchrun restart all workers in place when one of them
-fails; a worker that ends with a status decided by training (preempted, not saved,
-refused, no progress) tells torchrun to stop instead (train.py), so only crashes and
-hangs are restarted in place.
+It runs torchrun through this package's agent (``launch/agent.py``). torchrun forwards
+only the signals it is told to handle, and kills the workers ``--shutdown-timeout``
+seconds after forwarding one: both must fit the preemption settings, or the final
+checkpoint is cut off mid-write.
 """
 
 from __future__ import annotations
@@ -73,22 +67,13 @@ def torchrun_command(module: str, args: list[str], preemption: PreemptionConfig,
                      warm_start: bool = False, python: str = sys.executable) -> list[str]:
     """``python -m <package>.launch.agent <torchrun's arguments> -m <package>.<module> args``.
 
-    One node runs standalone (a free local port); several nodes meet at
-    ``rdzv_endpoint`` through the c10d rendezvous. ``max_restarts`` is
-    ``recovery.max_restarts``: how often torchrun restarts all workers in place.
-    ``rendezvous_timeout_s`` (``recovery.rendezvous_timeout_s``) bounds every meeting of
-    the nodes, the first and each one after a failure (torchrun's ``join_timeout``,
-    otherwise 600 s): after a node is lost, the others wait that long for it (or its
-    replacement) and then give up; ``rdzv_conf`` adds torchrun's other rendezvous
-    settings (e.g. ``is_host``). ``warm_start`` (``recovery.warm_start``): the agent forks
-    the workers from a pre-imported process (``launch/zygote.py``).
+    ``max_restarts``, ``rendezvous_timeout_s`` (torchrun's ``join_timeout``, else 600 s: it
+    bounds every meeting of the nodes) and ``warm_start`` are the ``recovery.`` keys.
     """
     if max_restarts < 0:
         raise ValueError(f"recovery.max_restarts must be >= 0 (got {max_restarts})")
-    # By default torchrun lends its rendezvous store to the workers, and what one attempt
-    # wrote there stays: after an in-place restart the new process group read the dead
-    # ranks' addresses and never connected (torch 2.13, gloo; DCP's checkpoint process
-    # group likewise). Unshared, rank 0 of every attempt hosts a fresh store.
+    # torchrun's store, lent to the workers, keeps what an attempt wrote: a restarted process
+    # group read the dead ranks' addresses (torch 2.13, gloo). Unshared: a fresh one each.
     env = ["env", f"{UNSHARED_STORE}=1"] if max_restarts > 0 else []
     cmd = [*env, python, "-m", f"{PACKAGE}.launch.agent", *([WARM_START] if warm_start else []),
            f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}",

@@ -1,9 +1,7 @@
 """How a launch of torchrun ended, as ``resume``'s exit status (launch/supervisor.py).
 
-torchrun exits 1 after any signal, even when the workers saved and stopped cleanly, and
-for any failed worker; the run's own verdict is in its log (the ``end`` and
-``preemption`` events, the ranks' exit records), and the checkpoint directory says
-whether a final checkpoint committed. These functions read them.
+torchrun exits 1 after any signal, even a clean stop, and for any failed worker: the
+verdict is read from the run's log, its exit records and the checkpoints.
 """
 
 from __future__ import annotations
@@ -32,33 +30,19 @@ def stopped_before_launch(sig: signal.Signals, preemption: PreemptionConfig) -> 
 
 
 def preemption_logged_since(log_dir: Path, since: float) -> bool:
-    """Whether training logged a preemption stop after ``since`` (e.g. a cloud notice
-    that needed no new checkpoint because the newest one was already at that step)."""
+    """Whether training logged a preemption stop after ``since`` (even one that saved nothing)."""
     return bool(read_events(log_dir, Event.preemption, since=since)[0])
 
 
 def training_status_since(log_dir: Path, since: float) -> tuple[int, str] | None:
-    """The exit status training decided and logged (its ``end`` event) after ``since``.
-
-    torchrun reports 1 for any failed worker; the run's own verdict (2 refused, 73 not
-    saved, 79 no progress, ...) is in the log. After in-place restarts the last start's
-    ``end`` counts.
-    """
+    """The status and reason of the last ``end`` event training logged after ``since``."""
     ends = read_events(log_dir, Event.end, since=since)[0]
     return (int(ends[-1]["status"]), str(ends[-1].get("reason", ""))) if ends else None
 
 
 def node_lost_since(log_dir: Path, since: float, recovery: RecoveryConfig) -> str | None:
-    """Why torchrun gave up on a node of several, or None when it did not.
-
-    torchrun ends after a worker's failure only when its in-place restarts are used up,
-    when it was signalled, or when the nodes could not meet again: a node is gone (its
-    machine vanished, or its torchrun died with it) and did not come back within
-    ``recovery.rendezvous_timeout_s``. The last of these is read from the exit records
-    of this node's ranks (``recovery/attempts.py``): the newest start of this launch
-    ended in a failure that torchrun would have restarted (a crash, a hang, a rank
-    killed without a word) with restarts left, and no later start followed.
-    """
+    """Why torchrun gave up on a node of several, or None: this launch's newest start (its
+    exit records) failed with restarts left, and no later start followed."""
     records = [r for r in read_records(log_dir) if r.get("started", 0) >= since]
     if not records:
         return None  # no start in this launch: the first meeting failed, torchrun's status
@@ -81,17 +65,9 @@ def exit_status(returncode: int, storage: Storage, before: Committed | None,
                 stopped_by_notice: bool = False,
                 training_status: tuple[int, str] | None = None,
                 node_lost: str | None = None, memory_tier: bool = False) -> int:
-    """0, ``preemption.exit_code`` when the run was preempted, the status training logged
-    when it refused to run (2), could not save its last state (73), stopped retrying
-    because starts kept failing without progress (79) or was interrupted by the user
-    (130), else torchrun's.
-
-    torchrun exits 1 after any signal, even when the workers saved and stopped cleanly,
-    so its status alone cannot tell a preemption from a crash. A run was preempted when
-    a checkpoint with reason "preemption" committed during this launch, when this
-    process itself received (and forwarded) one of ``preemption.signals``, or when
-    training logged a preemption stop during this launch.
-    """
+    """0, a status training logged (``exit_codes.FINAL``), ``preemption.exit_code`` (a
+    preemption checkpoint committed, a signal forwarded, or a stop logged during this
+    launch), ``NODE_LOST``, else torchrun's."""
     if returncode == 0:
         return 0
     if training_status is not None and training_status[0] in exit_codes.FINAL:

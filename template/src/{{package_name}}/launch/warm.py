@@ -1,13 +1,9 @@
 """A worker forked from the zygote (``launch/zygote.py``), both halves of the hand-over.
 
-- ``start_if_asked()``, in the process torchrun started (``train.py``, before its heavy
-  imports): it sends its command line, environment and standard streams to the zygote,
-  then stands in for the forked worker: signals passed on to it, its exit status its own.
-  Without a zygote, or refused by it, it returns and the worker starts cold.
-- ``become_worker()``, in the forked child: takes that environment and runs ``train``,
-  whose DCP checkpoint process the zygote forks too (``become_checkpoint_process``).
-
-Standard library only on the first side. docs/RECOVERY.md ("Warm start") has the design.
+``start_if_asked()`` (the process torchrun started, before heavy imports; standard library
+only) hands its command line, environment and streams to the zygote and stands in for the
+forked worker, or returns and the worker starts cold. ``become_worker()`` (the forked
+child) runs ``train``. The design: docs/RECOVERY.md ("Warm start").
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ RELAYED = tuple(getattr(signal, name) for name in
 
 
 def start_if_asked() -> None:
-    """Run this worker as a fork of the zygote and exit with its status; return when
-    there is no zygote to ask or it refused (the worker then starts cold)."""
+    """Run this worker as a fork of the zygote and exit with its status, or return (cold)."""
     path = os.environ.get(ZYGOTE_ENV)
     if not path:
         return
@@ -144,9 +139,7 @@ class _Lines:
 
 # ------------------------------------------------------------- in the child --
 def become_worker(conn: socket.socket, request: dict, zygote: str) -> int:
-    """Take the requester's directory, environment and command line, tell it this pid
-    (once its stop signals are held), run ``train`` as ``__main__``; the exit status.
-    DCP's checkpoint process is asked of the zygote at ``zygote`` too."""
+    """Take the request's cwd, environment and argv, tell it this pid, run ``train``; its status."""
     _take(request)
     sys.argv = list(request["argv"])
     from ..checkpoint.save.background import fork_from
@@ -162,8 +155,7 @@ def become_worker(conn: socket.socket, request: dict, zygote: str) -> int:
 
 
 def become_checkpoint_process(conn: socket.socket, request: dict, pipe_fd: int) -> int:
-    """Take the worker's directory and environment and serve as its DCP checkpoint
-    process on ``pipe_fd`` until the worker ends it or is gone; the exit status."""
+    """Serve as the worker's DCP checkpoint process on ``pipe_fd`` until it ends or is gone."""
     _take(request)
     _end_with(int(request["worker"]))
     try:   # what ps and top show: this is the checkpoint process of that rank
@@ -180,8 +172,6 @@ def become_checkpoint_process(conn: socket.socket, request: dict, pipe_fd: int) 
 
 
 def _end_with(pid: int) -> None:
-    """End this process the moment process ``pid`` ends (a thread waits for it), as a
-    spawned checkpoint process ends with its parent (``train.py``)."""
     import threading
 
     from ..runtime.process_tree import alive
@@ -210,8 +200,7 @@ def _take(request: dict) -> None:
 
 
 def _fork_checkpoint_process(zygote: str, fds: list[int]) -> Forked:
-    """In a worker: the zygote forks this worker's DCP checkpoint process on ``fds``; the
-    handle on it, or OSError (the zygote gone or refusing: DCP spawns it)."""
+    """In a worker: its DCP checkpoint process, forked by the zygote on ``fds``, or OSError."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.settimeout(FORK_WAIT_S)
@@ -228,15 +217,13 @@ def _fork_checkpoint_process(zygote: str, fds: list[int]) -> Forked:
     if "pid" not in first:
         conn.close()
         raise OSError(first.get("refused", "refused"))
-    # This socket open is what keeps the child alive (the zygote kills it at hang-up):
-    # the worker's own forks (DataLoader workers) close their copy.
+    # This open socket keeps the child alive (the zygote kills it at hang-up): forks close it.
     os.register_at_fork(after_in_child=conn.close)
     return Forked(int(first["pid"]), lines)
 
 
 class Forked:
-    """A process the zygote forked for this worker, seen as ``multiprocessing.Process``
-    shows its own children: the zygote reports its exit status on ``lines``."""
+    """A process the zygote forked for this worker, as a ``multiprocessing.Process``."""
 
     def __init__(self, pid: int, lines: _Lines) -> None:
         self.pid = pid
@@ -269,8 +256,8 @@ class Forked:
 
 
 def _as_a_new_process() -> None:
-    """What a new process would have taken from its environment: torch's thread count,
-    and a global NumPy RNG of its own (Python's ``random`` reseeds itself at a fork)."""
+    """torch's thread count and a NumPy RNG of its own, as a new process would have
+    (Python's ``random`` reseeds itself at a fork)."""
     import numpy
     import torch
 
@@ -281,8 +268,7 @@ def _as_a_new_process() -> None:
 
 
 def run_as_main(module: str) -> int:
-    """``python -m module`` in this process: its exit status, after what an interpreter
-    does at exit (non-daemon threads joined, atexit functions run, streams flushed)."""
+    """``python -m module`` in this process, with the interpreter's exit; its status."""
     import atexit
     import runpy
     import threading

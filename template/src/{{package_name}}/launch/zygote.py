@@ -2,9 +2,8 @@
 
     python -u -m <package>.launch.zygote --fd N --parent PID
 
-Started by the agent (``launch/agent.py``) on a listening socket it made; every worker
-torchrun starts asks it for a fork (``launch/warm.py``) and trains in the child, so a
-start or an in-place restart pays no import. Design, limits and figures:
+Started by ``resume`` or the agent; every worker torchrun starts asks it for a fork
+(``launch/warm.py``), so a start or an in-place restart pays no import. The design:
 docs/RECOVERY.md ("Warm start").
 """
 
@@ -25,9 +24,8 @@ from ..runtime.lifeline import die_with_parent, say_if_heard
 from ..runtime.process_tree import alive
 
 READY_PREFIX = "warm start:"
-# A request's first byte: fork a worker; fork a worker's DCP checkpoint process; end with
-# this process. Descriptors sent with each: its standard streams (the checkpoint process's
-# pipe end first).
+# A request's first byte: fork a worker, or its DCP checkpoint process, or end with this
+# process; the descriptors sent with each: standard streams (after the checkpoint pipe).
 FORK, CHECKPOINT, WATCH = b"F", b"C", b"W"
 DESCRIPTORS = {FORK: 3, CHECKPOINT: 4, WATCH: 0}
 REQUEST_TIMEOUT_S = 10.0   # a worker's request, once connected, arrives within this
@@ -45,9 +43,8 @@ def _threads() -> int:
         return 1
 
 
-# What every worker imports, in order. The first two start the libraries' own thread
-# pools (OpenBLAS's, which stop and restart around a fork); torch._dynamo is what FSDP2
-# imports at its first call (0.6 s of a start here).
+# What every worker imports, in order. The first two start their libraries' own thread
+# pools (which stop and restart around a fork); FSDP2 imports torch._dynamo at its first call.
 LIBRARIES = ("numpy", "torch")
 PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint",
            "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp",
@@ -95,14 +92,13 @@ class Zygote:
         self.selector = selectors.DefaultSelector()
         self.children: dict[int, socket.socket] = {}   # child pid -> the requester's socket
         self.refused: str | None = None
-        wake_r, self.wake_w = os.pipe()
-        os.set_blocking(wake_r, False)
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
-        self.wake_r = wake_r
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.selector.register(listener, selectors.EVENT_READ, "accept")
-        self.selector.register(wake_r, selectors.EVENT_READ, "child")
+        self.selector.register(self.wake_r, selectors.EVENT_READ, "child")
 
     def serve(self, parent: int) -> None:
         while os.getppid() == parent:
@@ -158,8 +154,7 @@ class Zygote:
         self.selector.register(conn, selectors.EVENT_READ, pid)
 
     def _watch(self, pid: int) -> None:
-        """End the zygote when ``pid`` (the agent, when ``resume`` started the zygote)
-        ends: its workers then see their parent gone, as when a launcher dies."""
+        """End the zygote when ``pid`` (the agent) ends: its workers see their parent gone."""
         try:
             self.selector.register(os.pidfd_open(pid), selectors.EVENT_READ, "watched")
         except (OSError, AttributeError):
@@ -205,8 +200,7 @@ class Zygote:
 
     def _become(self, kind: bytes, conn: socket.socket, request: dict,
                 fds: list[int]) -> None:
-        """In the forked child: become the worker (or the worker's checkpoint process)
-        ``request`` describes, run it, exit."""
+        """In the forked child: become the worker (or its checkpoint process), run it, exit."""
         code = 1
         try:
             gc.enable()
@@ -266,8 +260,7 @@ def _send(conn: socket.socket, message: dict) -> None:
 
 
 class Started:
-    """The handle on a zygote, started before torch is imported (by ``resume``, else by
-    the agent); ``stop`` at the end (bounded; what does not end is killed)."""
+    """The handle on a zygote, started before torch is imported; ``stop`` is bounded."""
 
     STOP_S = 5.0
 
@@ -281,8 +274,7 @@ class Started:
         listener.bind(self.path)
         listener.listen(64)
         env = dict(os.environ)
-        # As torchrun sets it for the workers of several processes (before they import):
-        # the zygote's libraries size their thread pools by it.
+        # As torchrun sets it for several workers: the libraries size their thread pools by it.
         if "OMP_NUM_THREADS" not in env and (nproc_per_node or "1").isdigit() \
                 and int(nproc_per_node or "1") > 1:
             env["OMP_NUM_THREADS"] = "1"
@@ -307,9 +299,8 @@ class Started:
 
 
 def ahead(argv: list[str]) -> Started | None:
-    """In ``resume``, before its imports: a zygote for the launch to come, unless the
-    command line says there will be none (``--dry-run``, ``--help``,
-    ``recovery.warm_start=false``; a config file that says so stops it later)."""
+    """In ``resume``, before its imports: a zygote for the launch, unless the command line
+    rules one out (a config file's ``recovery.warm_start: false`` stops it later)."""
     if {"--dry-run", "-h", "--help"} & set(argv) or "recovery.warm_start=false" in argv:
         return None
     nproc = next((argv[i + 1] for i, a in enumerate(argv[:-1])
@@ -342,8 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent", type=int, required=True)
     args = parser.parse_args(argv)
     die_with_parent(args.parent)
-    # Ends at once: an interpreter's clean-up of torch's modules takes seconds, in which
-    # its workers would not yet see it gone.
+    # At once: clean-up of torch's modules takes seconds, in which workers would not see it gone.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     listener = socket.socket(fileno=args.fd)
     gc.disable()   # no freed holes in the pages a fork shares (Python's gc docs)

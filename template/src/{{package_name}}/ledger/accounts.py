@@ -1,14 +1,9 @@
 """The goodput ledger: where the wall-clock time of a run went, over every start.
 
-Every second from the first start's process start to the run's last event falls in one
-part (productive, rework, saving, eval, restart by phase, unaccounted), and the parts add
-up to the wall time. What each part holds, and how it maps to Google's and NVIDIA's
-goodput categories: docs/GOODPUT.md, "The ledger". Saving is the save events'
-``blocking_s`` + ``waited_s``, eval the eval events' ``eval_time_s``.
-
-With ``metrics.jsonl`` (``log.dir``) each step is placed by its own event; from the
-history alone a start's training time is split into productive and rework by its steps,
-saving and eval stay inside it, and its restart phases are its first-step time.
+Every second from the first start's process start to the run's last event falls in one of
+``PARTS``, which add up to the wall time (docs/GOODPUT.md, "The ledger"). With metrics.jsonl
+each step is placed by its own event; from the history alone (coarse) a start's training
+is split into productive and rework by its steps, and its restart is its first-step time.
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ from .history import INTERRUPTIONS
 PARTS = ("productive", "rework", "saving", "eval", "restart", "unaccounted")
 RESTART_PHASES = ("detection", "queue", "imports", "rendezvous", "build", "load",
                   "first_step")
-# runtime/phases.py's phase names, each counted in a restart phase of the ledger
+# runtime/phases.py's phase -> the ledger's restart phase
 PHASE_OF = {"imports_done": "imports", "rendezvous_done": "rendezvous",
             "model_built": "build", "checkpoint_chosen": "load", "loaded": "load",
             "first_step": "first_step"}
@@ -69,8 +64,7 @@ class Ledger:
 
     @property
     def exposure_s(self) -> float:
-        """Time the job was running (each start's process start to its last sign of life):
-        the exposure the MTBI is measured over."""
+        """The MTBI's exposure: each start's process start to its last sign of life, summed."""
         return sum(max(s["end"] - s["begin"], 0.0) for s in self.starts)
 
 
@@ -140,8 +134,8 @@ def _last_step(start: Start, before: int | None) -> int | None:
 
 def _interruption(start: Start, previous: dict[str, Any], previous_end: float | None,
                   reached: int | None) -> dict[str, Any]:
-    """The interruption this start followed. Its record says how the start before ended;
-    that start's own events (when log.dir has them) say more exactly when and where."""
+    """The interruption this start followed: its record's ``previous``, made more exact by
+    the start before's own events (when and where) if log.dir has them."""
     ended = previous.get("ended_at")
     if previous_end is not None and (ended is None or previous_end > ended):
         ended = previous_end
@@ -159,9 +153,8 @@ def _interruption(start: Start, previous: dict[str, Any], previous_end: float | 
 
 
 def _gap(start: Start, previous_end: float, begin: float) -> tuple[float, float]:
-    """The seconds between the previous start's last sign of life and this process's
-    start: detection (until the failure was known and every rank had stopped, from the
-    phase events) and the rest, queue."""
+    """The gap since the previous start's last sign of life, as (detection: until every
+    rank had stopped, from the phase events; queue: the rest)."""
     gap = max(begin - previous_end, 0.0)
     marks = {e["phase"]: e["at"] for e in start.events if e["event"] == Event.phase
              and e.get("at") is not None}
@@ -230,8 +223,7 @@ def _account_events(start: Start, parts: dict[str, float], phases: dict[str, flo
 
 def _account_record(record: dict[str, Any], parts: dict[str, float], phases: dict[str, float],
                     span: dict[str, Any], furthest: int) -> int:
-    """One start from its history record alone (coarse): the time to its first step is
-    restart, the rest training, split into rework and productive by its steps."""
+    """One start from its history record alone (coarse); returns the furthest step."""
     begin = float(record.get("started_at", 0.0))
     first = record.get("first_step_at")
     end = float((record.get("end") or {}).get("time") or record.get("last_seen") or begin)

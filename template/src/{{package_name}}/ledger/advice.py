@@ -1,11 +1,9 @@
 """What the history says about the plan's inputs, and the notice when it disagrees.
 
-``measured_inputs`` gives what ``plan --from-history`` plans with: the job's MTBI from
-the interruptions (ledger/mtbi.py), the crash and node-loss shares among them, the
-restart time R (interruptions the scheduler rescheduled: from the end to the next first
-step) and R_in (torchrun's in-place restarts). ``mtbi_notice`` is the line ``plan`` and
-``resume`` print, unasked, when the measured interval excludes the configured MTBI; the
-config is never changed.
+``measured`` and ``inputs_from`` give what ``plan --from-history`` plans with (the MTBI, the
+crash and node-loss shares, R and R_in: docs/GOODPUT.md, "The measured MTBI");
+``mtbi_notice`` is the line ``plan`` and ``resume`` print, unasked, when the measured
+interval excludes the configured MTBI. The config is never changed.
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ def measured(ledger: Ledger) -> Measured:
 
 
 def run_ledger(cfg: Config) -> tuple[Ledger, int, bool]:
-    """The ledger of ``cfg``'s run from its history and metrics.jsonl, the number of
-    unreadable history records, and whether metrics were there. Raises LookupError when
+    """(ledger, unreadable history records, whether metrics were there); LookupError when
     nothing is recorded yet."""
     storage = open_storage(cfg.checkpoint.dir)
     records, skipped = read_history(storage)

@@ -2,11 +2,9 @@
 
     python -m <package>.goodput [--config PATH] [--json] [--plot FILE] [key=value ...]
 
-Reads the interruption history (``checkpoint.dir/history``) and ``metrics.jsonl``
-(``log.dir``) of every start of the run and prints where the time went (ledger/accounts.py),
-the interruptions, the measured MTBI with its 95 % interval (ledger/mtbi.py), and the
-measured badput next to the plan's expected badput for the interval in use and the MTBI
-the config plans with. With ``log.dir`` gone it reports from the history alone.
+Prints where the time of every start went, the interruptions, the measured MTBI and the
+measured badput beside the plan's (docs/GOODPUT.md, "The ledger"); with ``log.dir`` gone,
+from the interruption history alone.
 
 Exit status: 0 the ledger was printed; 2 a bad configuration, or nothing recorded yet;
 73 ``checkpoint.dir`` cannot be reached.
@@ -25,13 +23,12 @@ from .. import PACKAGE
 from ..checkpoint.store.outage import ends_storage_errors
 from ..config import Config, ConfigError, load_config
 from ..interval.formulas import badput, badput_components
+from ..interval.plot import PLOT_SUFFIXES
 from ..runtime import exit_codes
 from ..runtime.exit_codes import Refused, refusals
 from .accounts import PARTS, RESTART_PHASES, Ledger
 from .advice import measured, planned_inputs, run_ledger
 from .mtbi import MIN_COUNT, describe, duration, measure_mtbi
-
-PLOT_SUFFIXES = (".png", ".svg")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,8 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def measure(cfg: Config) -> tuple[Ledger, dict[str, Any]]:
-    """The ledger of ``cfg``'s run, and its summary with the MTBI and the plan's
-    prediction (what --json prints)."""
+    """The ledger of ``cfg``'s run and its summary (what --json prints)."""
     ledger, skipped, has_metrics = run_ledger(cfg)
     return ledger, summarize(ledger, cfg, skipped, has_metrics=has_metrics)
 
@@ -95,7 +91,8 @@ def format_ledger(result: dict[str, Any]) -> str:
                 if result["coarse"] else "")]
     for part in PARTS:
         seconds = result["parts_s"][part]
-        lines.append(f"  {part:<12} {seconds:10.1f} s  {100 * seconds / wall if wall else 0:5.1f} %")
+        lines.append(f"  {part:<12} {seconds:10.1f} s  "
+                     f"{100 * seconds / wall if wall else 0:5.1f} %")
         if part == "restart":
             lines += [f"    {phase:<12} {result['restart_phases_s'][phase]:8.1f} s"
                       for phase in RESTART_PHASES if result["restart_phases_s"][phase] > 0]

@@ -2,14 +2,10 @@
 
     <checkpoint.dir>/history/start-<ms since the epoch>-<id>.json
 
-This module names the records, reads them back (``read_history``), tells how the start
-before ended (``previous_end``), and writes them: rank 0's ``HistorySink``, fed by the
-metrics log as the trackers are, writes its start's record when the start is under way,
-after its first step, about every ``HEARTBEAT_S`` while training, at each commit and at
-the end, on a thread of its own, one write at a time, never blocking training. The
-record's fields (``FORMAT`` 1), why it lives in ``checkpoint.dir``, and why a record is
-complete or absent and never deleted with the checkpoints: docs/GOODPUT.md, "The
-interruption history".
+``read_history`` reads the records back, ``previous_end`` tells how the start before ended,
+and rank 0's ``HistorySink`` (a metrics sink) writes its start's record on a thread of its
+own, never blocking training. The record's fields (``FORMAT`` 1), when it is written and
+why it lives in ``checkpoint.dir``: docs/GOODPUT.md, "The interruption history".
 """
 
 from __future__ import annotations
@@ -33,20 +29,8 @@ FORMAT = 1
 HEARTBEAT_S = 60.0     # a running start rewrites its record about this often
 END_WAIT_S = 10.0      # the end's write may hold the exit this long at most
 
-# How a start ended. The first seven are interruptions (they count for the MTBI).
-KINDS = {
-    "preempted_notice": "preempted with a notice (a signal or a cloud notice): stopped and saved",
-    "preempted_no_notice": "every rank ended without a word: the job or its machines were "
-                           "taken without notice",
-    "crash": "a rank raised an error",
-    "rank_lost": "a rank died without a word (killed, out of memory) while the others ran",
-    "hang": "a rank's watchdog found a step that never finished",
-    "node_lost": "a node of several was lost",
-    "storage": "the state could not be saved (exit 73)",
-    "finished": "train.max_steps reached",
-    "user_stop": "stopped by the user (Ctrl-C)",
-    "refused": "refused to run (exit 2 or 79): a configuration or a cause to fix",
-}
+# How a start ended (docs/GOODPUT.md, `previous.kind`): these count for the MTBI; the
+# other kinds are finished, user_stop (Ctrl-C) and refused (exit 2 or 79).
 INTERRUPTIONS = ("preempted_notice", "preempted_no_notice", "crash", "rank_lost", "hang",
                  "node_lost", "storage")
 # What recovery/attempts.py calls an end it learned from the ranks' exit records.
@@ -96,10 +80,8 @@ def read_history(storage: Storage) -> tuple[list[dict[str, Any]], int]:
 
 def previous_end(before: dict[str, Any] | None, cause: dict[str, Any] | None,
                  resumed_step: int, preempted_status: int) -> dict[str, Any] | None:
-    """How the start before this one ended: its own end record when it wrote one (a
-    status it decided), else what its ranks' exit records say (``cause``, from log.dir),
-    else "preempted_no_notice" (it left no word at all: log.dir gone, or every rank
-    killed). None for the first start of a run."""
+    """How the start before ended: its own end record, else its ranks' exit records
+    (``cause``, from log.dir), else "preempted_no_notice"; None for a run's first start."""
     if before is None:
         return None
     end = before.get("end") or {}
@@ -145,7 +127,6 @@ class HistorySink:
         except Exception as exc:  # noqa: BLE001 - no history: the record says less
             self._warn(exc)
 
-    # ------------------------------------------------------------ the sink --
     def log(self, kind: Event, fields: dict[str, Any]) -> None:
         now = time.time()
         if kind == Event.start:
@@ -182,10 +163,8 @@ class HistorySink:
     def close(self) -> None:
         self._wait(END_WAIT_S)
 
-    # ------------------------------------------------------------- writing --
     def _write(self) -> None:
-        """Write the record as it is now, on the writer thread; at most one write is in
-        flight, and a write asked for meanwhile follows it with the newest record."""
+        """At most one write in flight; one asked for meanwhile follows with the newest record."""
         self._last_write = time.time()
         with self._lock:
             self._dirty = True

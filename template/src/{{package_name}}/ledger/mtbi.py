@@ -1,15 +1,9 @@
 """The MTBI measured from the interruption history, with a 95 % interval.
 
-Interruptions are a Poisson process of rate 1/M. From n of them over T seconds of
-exposure the estimate is T / n and the two-sided (1 - α) interval
-
-    M_low = 2T / χ²(1 - α/2; 2n + 2)        M_high = 2T / χ²(α/2; 2n)   (n >= 1)
-
-(docs/GOODPUT.md, "The measured MTBI"). χ²(p; k), the p-quantile of the χ² distribution
-with k degrees of freedom, has even k = 2m here, where its distribution function has a
-closed form, P(X <= x) = 1 - exp(-x/2) · Σ_{i<m} (x/2)^i / i!, so the quantile is found
-by bisection, without SciPy. The crash and node-loss shares are counted among the
-interruptions the same way, as a count and a fraction.
+From n interruptions (a Poisson process) over T seconds of exposure: T / n, and
+M_low = 2T / χ²(1 - α/2; 2n + 2), M_high = 2T / χ²(α/2; 2n) (n >= 1); docs/GOODPUT.md,
+"The measured MTBI". The degrees of freedom are even, where the χ² distribution function
+has a closed form, so the quantiles come by bisection, without SciPy.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ MIN_COUNT = 3       # fewer interruptions than this are too few to plan with
 
 
 def chi2_cdf_even(x: float, dof: int) -> float:
-    """P(X <= x) for X ~ χ² with an even number of degrees of freedom."""
+    """P(X <= x) = 1 - exp(-x/2)·Σ_{i<dof/2} (x/2)^i / i! for X ~ χ²(dof), dof even."""
     if dof <= 0 or dof % 2:
         raise ValueError(f"degrees of freedom must be even and positive (got {dof})")
     if x <= 0:

@@ -1,23 +1,16 @@
 """The ledger as a picture: one row per start, time running left to right (``--plot``).
-
-Each row shows the start's restart phases (from its process start to its first step),
-its steps (productive or rework), the time blocked by saves and evaluations; the gap
-before a row is the downtime (detection and queue), and a red mark is an interruption.
-"""
+The gap before a row is its downtime (detection and queue), a red line an interruption."""
 
 from __future__ import annotations
 
 import os
 
+from ..interval.plot import PlotUnavailable
 from .accounts import Ledger
 
 COLOURS = {"productive": "#2e7d32", "rework": "#ef6c00", "training": "#66bb6a",
            "saving": "#1565c0", "eval": "#6a1b9a", "restart": "#9e9e9e",
            "downtime": "#e57373"}
-
-
-class PlotUnavailable(RuntimeError):
-    pass
 
 
 def plot_timeline(ledger: Ledger, path: str | os.PathLike) -> None:

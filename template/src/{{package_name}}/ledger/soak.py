@@ -3,11 +3,9 @@
     python -m <package>.soak [--mtbi-seconds S] [--minutes M] [--seed N] [--ranks R]
                              [--intervals 0.5,1,2] [--out DIR] [--json] [key=value ...]
 
-Calibrate (T, δ, L; the interval N = Daly(δ, M) / T), train a reference on R ranks, train
-again under a Poisson stream of faults at each ``--intervals`` multiple of N, and judge
-each run: its final state bit-identical to the reference's, its measured badput within
-the tolerance of the prediction (docs/GOODPUT.md, "The soak"). ``train.max_steps`` gives
-about a third of ``--minutes`` of training, and at least ``MIN_TRAINING_MTBIS`` MTBIs.
+Calibrate, train a reference, train again under faults at each ``--intervals`` multiple of
+the planned interval; each run's state must be bit-identical to the reference's and its
+badput within tolerance of the prediction (docs/GOODPUT.md, "The soak").
 
 Exit status: 0 every state exact and every measured badput within its tolerance; 1 not;
 2 bad arguments or configuration (nothing ran).
@@ -40,9 +38,8 @@ from .soak_run import FAULT_KINDS, Fault, SoakRunError, run_with_faults, start_j
 SMALL = ["model.d_model=32", "model.n_layers=1", "eval.at_end=false", "eval.every_steps=0",
          "log.every_steps=1000000", "checkpoint.keep_last=2", "loader.num_workers=0"]
 CALIBRATION_STEPS = 60
-# A run trains for at least this many MTBIs: on a busy machine the calibration takes most
-# of --minutes, and a run sized to what is left ended before a fault reached its steps
-# (every fault hit a start or the exit: 0 interruptions to judge the plan by).
+# A run trains at least this many MTBIs: sized to what a slow calibration left of --minutes,
+# runs ended before any fault reached their steps (0 interruptions to judge the plan by).
 MIN_TRAINING_MTBIS = 2.0
 TIMER_FLOOR_PERCENT = 1.0
 
@@ -145,7 +142,6 @@ class SoakError(RuntimeError):
     pass
 
 
-# ----------------------------------------------------------------- judging --
 def final_state(ckpt: Path, step: int) -> dict[str, Any]:
     """The model and optimizer tensors of the checkpoint of ``step``, flat."""
     import torch
@@ -183,12 +179,9 @@ def same_state(reference: dict[str, Any], other: dict[str, Any]) -> tuple[bool, 
 
 def predict(interval_steps: int, ledger, events: list[dict[str, Any]],
             logs: Path) -> dict[str, Any]:
-    """The plan's badput for this run from its own measured inputs (module docstring):
-    T, δ and L of this run (interval/formulas.read_metrics), its interruptions, and as
-    measured what the model takes as given (restarts, the saves that are not interval
-    saves: a start's first wait for its checkpoint process, the saves at a stop). The
-    interval saves' sum is predicted with their mean stall, not the plan's median δ: a
-    save that queued behind a slow commit counts in the sum (docs/GOODPUT.md)."""
+    """The plan's badput for this run from its own T, δ, L and interruptions; what the model
+    takes as given (restarts, saves other than interval saves) as measured. Interval saves
+    count at their mean stall, not the median δ: one queued behind a slow commit counts."""
     inputs = read_metrics(logs)
     tau = interval_steps * inputs.step_seconds
     d, latency = inputs.blocking_seconds, inputs.commit_latency_seconds

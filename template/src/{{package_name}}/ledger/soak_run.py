@@ -1,11 +1,9 @@
 """The soak's hands: start a job as a launcher does, lay faults on it, restart it.
 
 A job is ``python -m <package>.resume --nproc-per-node R ...`` in a session of its own.
-The faults: ``worker`` SIGKILLs one training worker (torchrun restarts the workers in
-place), ``term`` sends SIGTERM to the job (a preemption with notice: it saves and exits
-75), ``kill`` SIGKILLs the job and every process below it at once (a machine lost). A
-fault that comes while no job runs (between an end and the next start) finds nothing to
-hit and is counted as missed.
+``worker`` SIGKILLs one training worker (torchrun restarts the workers in place), ``term``
+SIGTERMs the job (a preemption with notice: exit 75), ``kill`` SIGKILLs its whole tree (a
+machine lost); a fault that finds no job running is counted as missed.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Evaluation on held-out data: every sample once, whatever the number of ranks.
 
-It runs the task's ``build_eval_data`` samples through ``eval_metrics`` (default:
-``loss_and_metrics``) under ``torch.no_grad()`` in eval mode, then puts the model back in
-training mode, and adds the task's ``eval_summary`` figures. Samples are dealt to the
-ranks in turn and summed in float64, so one all-reduce gives sample-weighted means that
-agree on any number of ranks. A stop request ends an evaluation at the next batch (one
-small all-reduce per batch); that step's evaluation is then not reported, and the resumed
-run evaluates it first. The rules and settings: docs/EXTENDING.md, "Evaluation".
+Samples are dealt to the ranks in turn and summed in float64, so one all-reduce gives
+sample-weighted means that agree on any number of ranks. A stop request ends an evaluation
+at the next batch (one small all-reduce per batch); it is then not reported, and the
+resumed run evaluates that step first. The rules and settings: docs/EXTENDING.md, "Evaluation".
 """
 
 from __future__ import annotations
@@ -36,9 +33,7 @@ class Evaluator:
         return self.dataset is not None and len(self.dataset) > 0
 
     def missing(self) -> str | None:
-        """Why an evaluation the config asks for will not run, and what to add; None when
-        it runs or is not asked for. Said once at the start (tasks written before
-        evaluation existed have no ``build_eval_data``)."""
+        """Why an evaluation the config asks for will not run, and what to add (else None)."""
         asked = [key for key, on in (("eval.at_end=true", self.cfg.eval.at_end),
                                      (f"eval.every_steps={self.cfg.eval.every_steps}",
                                       self.cfg.eval.every_steps > 0)) if on]
@@ -58,8 +53,7 @@ class Evaluator:
                 f"is evaluated; to say no evaluation, set {off}")
 
     def due(self, step: int) -> bool:
-        """Whether the evaluation of ``step`` is due (every ``eval.every_steps`` steps and,
-        with ``eval.at_end``, after the last one)."""
+        """Every ``eval.every_steps`` steps and, with ``eval.at_end``, after the last one."""
         every = self.cfg.eval.every_steps
         return self.enabled and ((every > 0 and step % every == 0)
                                  or (self.cfg.eval.at_end and step == self.cfg.train.max_steps))
@@ -76,8 +70,7 @@ class Evaluator:
 
     def run(self, model: nn.Module, stop_requested: Callable[[], bool]
             ) -> dict[str, float] | None:
-        """The evaluation's means (``loss`` and each metric), the same on every rank; None
-        when a stop request ended it early."""
+        """The means (``loss``, each metric), equal on every rank; None if a stop ended it."""
         mine = self.my_samples()
         # The most any rank holds (rank 0's share): every rank runs this many rounds.
         rounds = -(-len(range(0, self.samples(), self.runtime.world_size))
@@ -96,9 +89,8 @@ class Evaluator:
                     n = len(indices)
                     # A rank left without samples in the last round still runs the model
                     # (FSDP2 gathers the weights in every rank's forward), weighted 0.
-                    batch = to_device(self.task.collate([self.dataset[i]
-                                                         for i in (indices if n else [0])]),
-                                      self.runtime.device)
+                    samples = [self.dataset[i] for i in (indices if n else [0])]
+                    batch = to_device(self.task.collate(samples), self.runtime.device)
                     loss, metrics = self.score(model, batch)
                     for name, value in {"loss": loss, **dict(metrics)}.items():
                         value = torch.as_tensor(value).detach().to(torch.float64).cpu() * n
@@ -106,8 +98,7 @@ class Evaluator:
                     count += n
         finally:
             model.train(was_training)
-            # FSDP2 keeps the root's weights gathered after a forward with no backward:
-            # shard them again, so the saves and the next step see the training layout.
+            # FSDP2 keeps the root's weights gathered after a forward without backward: reshard.
             if callable(getattr(model, "reshard", None)):
                 model.reshard()
         means = self._means(sums, count)

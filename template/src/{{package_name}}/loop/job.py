@@ -3,17 +3,17 @@
     torchrun --nproc-per-node 2 -m <package>.train [--config PATH] [key=value ...]
     python -m <package>.train [key=value ...]          (one process, no torchrun)
 
-Exit status: 0 finished, ``preemption.exit_code`` (75) preempted, 73 the last state not
-saved, 79 no progress, 2 bad configuration or a task that breaks its contract, 1 crashed,
-124 this rank's watchdog found a hung step (docs/PREEMPTION.md, "Exit status", and
-docs/RECOVERY.md). A status training decided (all but 1 and 124) is never restarted in
-place: local rank 0 asks torchrun to stop (SIGTERM) before exiting, and ``resume``
-reports the status from the ``end`` event (docs/RECOVERY.md, "In-place restarts").
+Exit status: 0 finished, ``preemption.exit_code`` (75) preempted, 130 interrupted, 73 the
+last state not saved, 79 no progress, 2 bad configuration or a task that breaks its
+contract, 1 crashed, 124 this rank's watchdog found a hung step (docs/PREEMPTION.md, "Exit
+status"). A status training decided (all but 1 and 124) ends the job instead of an in-place
+restart; ``resume`` reports it from the ``end`` event (docs/RECOVERY.md, "In-place restarts").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import logging
 import os
@@ -25,12 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import PACKAGE
-from ..checkpoint import (
-    Checkpointer,
-    CheckpointUnusable,
-    Committed,
-    IncompatibleCheckpoint,
-)
+from ..checkpoint import Checkpointer, CheckpointUnusable, Committed, IncompatibleCheckpoint
 from ..checkpoint.save.background import quiet_checkpoint_process_exit, stop_background_processes
 from ..config import Config, ConfigError, NoticeSource, load_config, to_plain_dict
 from ..ledger.history import HistorySink
@@ -57,8 +52,7 @@ from .sampling import BatchSizeError
 from .task_contract import load_task
 from .trainer import TaskError, Trainer
 
-# How long a rank other than local rank 0 waits, after a status training decided, for
-# the SIGTERM torchrun sends once local rank 0 has asked it to stop (_no_restart_in_place).
+# How long a rank other than local rank 0 waits for torchrun's SIGTERM (_no_restart_in_place).
 ASK_WAIT_S = 10.0
 
 
@@ -66,8 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=f"python -m {PACKAGE}.train",
         description="Train with asynchronous sharded checkpoints; resumes automatically.",
-        epilog="Overrides are key=value pairs, e.g. train.max_steps=500 checkpoint.dir=/ckpt",
-    )
+        epilog="Overrides are key=value pairs, e.g. train.max_steps=500 checkpoint.dir=/ckpt")
     parser.add_argument("--config", default=None, help="YAML config (default configs/train.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     return parser.parse_args(argv)
@@ -91,10 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     watch = PreemptionWatch(cfg.preemption.signals)
     watch.install()  # before anything slow, so an early signal is not lost
     quiet_checkpoint_process_exit()
-    try:  # a fatal error (a segmentation fault) prints every thread's stack
+    # A fatal error (a segmentation fault) prints every thread's stack, where stderr has a fd.
+    with contextlib.suppress(AttributeError, ValueError, OSError):
         faulthandler.enable(all_threads=True)
-    except (AttributeError, ValueError, OSError):  # a stderr without a file descriptor
-        pass
     try:
         runtime = setup(cfg.distributed.backend, cfg.recovery.collective_timeout_s)
     except BackendUnavailable as exc:
@@ -147,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         abandoned = checkpointer.release() if checkpointer is not None else False
         metrics.close()
         if abandoned:
-            # A background save was given up: its thread may wait on a dead peer for half
-            # an hour. Leave now, with the status decided, and take no child along.
+            # A given-up background save may wait on a dead peer for half an hour: leave
+            # now with the status decided, and take no child along.
             sys.stdout.flush()
             sys.stderr.flush()
             stop_background_processes()
@@ -163,16 +155,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _no_restart_in_place(code: int, stop: StopCoordinator, runtime: Runtime,
                          attempt: Attempt, decided_at: float) -> None:
-    """A status training decided ends the job: torchrun, which restarts the workers in
-    place on any non-zero exit, is asked to stop (SIGTERM: it then stops every worker
-    and exits 1; ``resume`` reads the status from the ``end`` event).
+    """Ask torchrun to stop (SIGTERM) rather than restart in place on a decided status.
 
-    Local rank 0 asks, once per node, right after the decision and before its own
-    clean-up (its signal handler still counts the SIGTERM torchrun sends back); the
-    node's other ranks wait for that SIGTERM (at most ``ASK_WAIT_S``) before they exit,
-    since a rank that exited first would look like a crash and be restarted in place.
-    Not needed when torchrun has no restart left, is gone, or was signalled before the
-    decision (a scheduler's or the user's signal reaches torchrun first: it is stopping).
+    Local rank 0 asks, once per node, before its clean-up (its handler still counts the
+    SIGTERM sent back); the other ranks wait for that SIGTERM first, as a rank that exited
+    first would look like a crash. Skipped when torchrun has no restart left, is gone, or
+    was signalled before the decision (it is stopping already).
     """
     launcher = stop.launcher_pid
     if (code == exit_codes.OK or launcher is None or os.getppid() != launcher
@@ -196,9 +184,8 @@ def _no_restart_in_place(code: int, stop: StopCoordinator, runtime: Runtime,
 
 def _guard_progress(cfg: Config, checkpointer: Checkpointer, attempt: Attempt,
                     previous: dict[str, Any] | None) -> tuple[int, str | None]:
-    """The no-progress guard (rank 0 decides, every rank learns): the failed starts in a
-    row, and why this start must not run (None: it may). Progress is a newer step to
-    restart from: a committed checkpoint, or a memory copy (checkpoint.memory_interval_steps)."""
+    """Rank 0's no-progress verdict: failed starts in a row, and why this start must not
+    run (None: it may). Progress: a newer committed or memory-copy step to restart from."""
     def verdict() -> tuple[int, str | None]:
         step = checkpointer.newest_recoverable_step()
         attempt.begin(newest_step=-1 if step is None else step)  # the next start compares
@@ -211,8 +198,7 @@ def _guard_progress(cfg: Config, checkpointer: Checkpointer, attempt: Attempt,
 def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: StopCoordinator,
            watchdog: StepWatchdog, metrics: MetricsLog, attempt: Attempt,
            previous: dict[str, Any] | None) -> tuple[int, str]:
-    """Train; returns the exit status and, for the log, why. Raises Refused when the
-    job will not run (a task that breaks its contract, an unusable checkpoint)."""
+    """The exit status and why; Refused for a broken task contract or unusable checkpoint."""
     failed_starts, no_progress = _guard_progress(cfg, checkpointer, attempt, previous)
     if no_progress is not None:
         if runtime.is_main:
@@ -263,8 +249,7 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: Stop
         outcome = trainer.run()
     except TaskError as exc:
         raise Refused(exc) from exc
-    # Rank 0 commits after the others are done writing: nobody leaves before it has,
-    # or a launcher that ends the job on the first exit could cut the commit off.
+    # Nobody leaves before rank 0 commits: a launcher ending the job at the first exit would cut it.
     if runtime.world_size > 1:
         dist.barrier()
     if outcome.status == "interrupted":
@@ -285,9 +270,8 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: Stop
 
 def _attach_trackers(cfg: Config, checkpointer: Checkpointer, metrics: MetricsLog,
                      resumed: Committed | None) -> str | None:
-    """Rank 0: the experiment trackers (log.trackers) follow every event from now on,
-    continuing the checkpoint directory's tracker run; why they cannot, or None. The
-    trackers are rendered with the copier answer trackers (config/parts.py)."""
+    """Rank 0: log.trackers follow every event, continuing the checkpoint directory's run;
+    why they cannot, or None (rendered with the copier answer trackers: config/parts.py)."""
     if not cfg.log.trackers:
         return None
     from ..tracking.trackers import open_trackers
@@ -307,13 +291,8 @@ def _first_step(metrics: MetricsLog, attempt: Attempt, previous: dict[str, Any] 
     phases.mark(Phase.first_step)
     for row in phases.timeline(previous if failed else None):
         metrics.event(Event.phase, step=step, restart=attempt.job_restart, **row)
-    if failed:
-        _recovered(metrics, attempt, previous, step)
-
-
-def _recovered(metrics: MetricsLog, attempt: Attempt, previous: dict[str, Any],
-               step: int) -> None:
-    """The first step after a start that followed a failure: how long the failure cost."""
+    if not failed:
+        return
     failed_at = previous.get("failed_at")
     seconds = time.time() - failed_at if failed_at else None
     metrics.event(Event.recovered, step=step, restart=attempt.job_restart,

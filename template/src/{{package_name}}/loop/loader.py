@@ -27,9 +27,8 @@ WORKER_EXIT_WAIT_S = 5.0
 def micro_batches(dataset: Dataset, collate: Callable, sampler: GlobalBatchSampler, split: int,
                   rank: int, samples_consumed: int, seed: int, device: torch.device,
                   cfg: LoaderConfig) -> Iterator[Any]:
-    """This rank's micro-batches from ``samples_consumed`` on, collated. ``seed`` seeds
-    the loader's own generator (its workers' base seed): a draw from the default
-    generator would shift the saved random streams."""
+    """This rank's micro-batches from ``samples_consumed`` on, collated. ``seed`` seeds the
+    loader's own generator: a draw from the default one would shift the saved streams."""
     workers = cfg.num_workers
     loader = DataLoader(
         dataset, collate_fn=collate, num_workers=workers,
@@ -37,8 +36,7 @@ def micro_batches(dataset: Dataset, collate: Callable, sampler: GlobalBatchSampl
         pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed),
         worker_init_fn=ignore_preemption_signals if workers else None,
         multiprocessing_context=start_method(cfg.start_method, device) if workers else None,
-        # Each worker keeps this many micro-batches ready (DataLoader refuses it
-        # without workers).
+        # Micro-batches each worker keeps ready (DataLoader refuses it without workers).
         prefetch_factor=cfg.prefetch_factor if workers else None,
         persistent_workers=workers > 0)
     batches = iter(loader)
@@ -49,28 +47,20 @@ def micro_batches(dataset: Dataset, collate: Callable, sampler: GlobalBatchSampl
 
 
 def start_method(method: str, device: torch.device) -> str:
-    """How DataLoader workers start (loader.start_method; auto: forkserver on CUDA, where
-    a fork would copy a process holding a CUDA context and helper threads)."""
-    if method == "auto":
-        method = "forkserver" if device.type == "cuda" else "fork"
-    return method
+    """loader.start_method; auto: forkserver on CUDA (docs/EXTENDING.md), else fork."""
+    return ("forkserver" if device.type == "cuda" else "fork") if method == "auto" else method
 
 
 def ignore_preemption_signals(_worker_id: int) -> None:
-    # DataLoader workers share the trainer's process group: a signal sent to it must reach
-    # the trainer's stop path, not kill them first. They end with their parent instead.
+    # A stop signal to the shared process group is the trainer's; workers end with their parent.
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     follow_parent()
 
 
 def end_workers_at_exit(loader_iter: weakref.ref) -> None:
-    """End a DataLoader's workers before multiprocessing's exit handler joins them.
-
-    They ignore SIGTERM, so the loader's own last resort (``terminate``) cannot end one;
-    after a crash, whose traceback keeps the loader alive until exit, the process would
-    wait for them forever. Registered with atexit, which runs it before that join.
-    """
+    """End a loader's workers before multiprocessing's exit handler joins them (atexit runs
+    first): they ignore SIGTERM, so after a crash the process would wait for them forever."""
     it = loader_iter()
     if it is None:
         return
@@ -83,13 +73,8 @@ def end_workers_at_exit(loader_iter: weakref.ref) -> None:
 
 
 def naming_dead_workers(loader_iter: Iterator[Any]) -> Iterator[Any]:
-    """The loader's batches; a read that fails because a worker died says which worker.
-
-    torch names a dead worker only if it is already reaped when the read fails; a worker
-    killed while handing over a batch can fail the read first, as a bare
-    ``ConnectionResetError`` from the descriptor it was passing. Then wait (at most
-    ``WORKER_EXIT_WAIT_S``) for the worker to be seen dead, and say so.
-    """
+    """The loader's batches; a read failed by a dying worker names it. torch names only a
+    reaped worker: one killed mid-handover can fail the read first (ConnectionResetError)."""
     while True:
         try:
             batch = next(loader_iter)

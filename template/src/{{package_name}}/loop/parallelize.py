@@ -18,10 +18,8 @@ def wrap_model(model: nn.Module, units: list[nn.Module], cfg: Config,
                runtime: Runtime) -> nn.Module:
     """Shard the model with FSDP2 (each unit, then the root) or replicate it with DDP.
 
-    ``train.activation_checkpointing`` recomputes each unit's activations in the backward
-    pass instead of keeping them. ``train.precision=bf16`` (CUDA and FSDP2 only) computes
-    in bf16 and reduces gradients in fp32; the weights and optimizer state stay fp32.
-    """
+    ``train.precision=bf16`` computes in bf16 and reduces gradients in fp32; the weights
+    and optimizer state stay fp32."""
     bf16 = cfg.train.precision == Precision.bf16
     if bf16 and runtime.device.type != "cuda":
         raise ConfigError(f"train.precision=bf16 needs CUDA (this run is on "
@@ -53,21 +51,15 @@ def wrap_model(model: nn.Module, units: list[nn.Module], cfg: Config,
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    # DDP replicates the whole model on every device. FSDP2 above never needs this:
-    # fully_shard moves each unit's shard to the mesh's device itself, so the whole fp32
-    # model is never on one GPU.
+    # DDP only: fully_shard moves each shard to the device itself, never the whole model.
     model.to(runtime.device)
     ids = [runtime.local_rank] if runtime.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids)
 
 
 def checkpoint_activations(module: nn.Module) -> None:
-    """Recompute ``module``'s activations in the backward pass instead of storing them.
-
-    Its forward runs under ``torch.utils.checkpoint`` (non-reentrant, random state
-    preserved, so results are unchanged). The module stays where it is: parameter names,
-    and with them checkpoints, are the same with and without.
-    """
+    """Recompute ``module``'s activations in the backward pass (non-reentrant, random state
+    preserved). Wrapping only the forward keeps parameter names, and so checkpoints, as is."""
     from torch.utils.checkpoint import checkpoint
 
     forward = module.forward
@@ -79,14 +71,9 @@ def checkpoint_activations(module: nn.Module) -> None:
 
 
 def compile_units(units: list[nn.Module], device: torch.device) -> None:
-    """``torch.compile`` each unit's forward (the shard units, as torchtitan compiles each
-    block; the whole model when the task names none).
-
-    The forward is replaced in place, so parameter names, state dicts and with them
-    checkpoints are the same compiled or not (no ``_orig_mod.`` prefix): a run saved
-    compiled resumes uncompiled and the reverse. Sharding and gradient-sync hooks stay
-    outside the compiled code. The first step pays the compilation.
-    """
+    """``torch.compile`` each unit's forward in place (as torchtitan compiles each block):
+    no ``_orig_mod.`` prefix, so checkpoints are the same compiled or not, and sharding
+    and gradient-sync hooks stay outside the compiled code."""
     if device.type == "cpu" and not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")):
         raise ConfigError("train.compile=true on the CPU needs a C++ compiler (g++ or "
                           "clang++) on the PATH; install one or use train.compile=false")
@@ -101,10 +88,7 @@ def compile_units(units: list[nn.Module], device: torch.device) -> None:
 
 
 def set_gradient_sync(model: nn.Module, parallelism: Parallelism, enabled: bool) -> None:
-    """Reduce gradients across ranks in the next backward pass, or only accumulate them.
-
-    Gradient accumulation syncs on its last micro-batch only.
-    """
+    """Reduce gradients across ranks in the next backward pass, or only accumulate them."""
     if parallelism == Parallelism.fsdp:
         model.set_requires_gradient_sync(enabled)
     else:

@@ -1,13 +1,9 @@
 """Which samples each rank reads at each step, decided from one global position.
 
-The position in the data is one number, ``samples_consumed``. The samples of step s are
-the same set whatever the world size: a seeded permutation per epoch is walked in
-global-batch slices, and each rank takes a contiguous share of the slice. That is what
-lets a run saved on N ranks continue on M at the exact next sample, for any map-style
-dataset the task provides.
-
-The permutation is computed index by index (``Permutation``), never stored: memory stays
-the same for a thousand samples or ten billion.
+A seeded permutation per epoch, computed index by index and never stored, is walked in
+global-batch slices from ``samples_consumed``; each rank takes a contiguous share. A step's
+samples are thus the same on any world size: a run saved on N ranks continues on M at the
+exact next sample.
 """
 
 from __future__ import annotations
@@ -48,8 +44,7 @@ def split_global_batch(global_batch_size: int, micro_batch_size: int,
             f"train.global_batch_size={global_batch_size} cannot be split over "
             f"{world_size} ranks x train.micro_batch_size={micro_batch_size}: "
             f"{hint}; with micro_batch_size={micro_batch_size} the world size must be one of "
-            f"{worlds_ok}."
-        )
+            f"{worlds_ok}.")
     return BatchSplit(global_batch_size, micro_batch_size, world_size,
                       global_batch_size // per_step)
 
@@ -69,11 +64,8 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 class Permutation:
     """A seeded pseudo-random permutation of ``range(n)``, evaluated at given positions.
 
-    A balanced Feistel network (six rounds of ``_mix64``) permutes the smallest power of
-    two with an even number of bits that holds n; positions it sends past n are sent
-    through it again until they land inside ("cycle walking"), which keeps it a
-    permutation of ``range(n)``. Nothing of size n is ever built.
-    """
+    A balanced Feistel network over the smallest even bit width holding n; positions sent
+    past n go through it again until inside ("cycle walking")."""
 
     ROUNDS = 6
 
@@ -107,9 +99,7 @@ class GlobalBatchSampler:
         if num_samples < 1:
             raise ValueError("the dataset has no samples (is the corpus shorter than one "
                              "sequence?)")
-        self.num_samples = num_samples
-        self.global_batch_size = global_batch_size
-        self.seed = seed
+        self.num_samples, self.global_batch_size, self.seed = num_samples, global_batch_size, seed
 
     def permutation(self, epoch: int) -> Permutation:
         """The order of the samples in ``epoch``: another permutation for every epoch."""
@@ -135,19 +125,12 @@ class GlobalBatchSampler:
 
 
 class RankMicroBatches:
-    """A DataLoader ``batch_sampler``: this rank's micro-batches, step after step.
-
-    It starts at the global position it is given (0, or where a checkpoint left off) and
-    never ends; the trainer draws ``grad_accum_steps`` micro-batches per step. A loader
-    with workers reads ahead, which changes nothing: the order is fixed by the position.
-    """
+    """A DataLoader ``batch_sampler``: this rank's micro-batches from global position
+    ``start`` on, without end (reading ahead changes nothing: the position fixes the order)."""
 
     def __init__(self, sampler: GlobalBatchSampler, split: BatchSplit, rank: int,
                  start: int) -> None:
-        self.sampler = sampler
-        self.split = split
-        self.rank = rank
-        self.start = start
+        self.sampler, self.split, self.rank, self.start = sampler, split, rank, start
 
     def __iter__(self) -> Iterator[list[int]]:
         position = self.start

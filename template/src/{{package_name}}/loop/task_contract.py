@@ -1,8 +1,7 @@
 """The contract between the harness and the user's task module (task.py).
 
-``load_task`` reads the task's functions and fills in the harness's defaults for the
-optional ones, so the rest of the harness calls one ``Task`` and never the module.
-What each function must do is written in docs/EXTENDING.md.
+``load_task`` fills in defaults for the optional functions, so the harness calls one
+``Task`` and never the module. What each function must do: docs/EXTENDING.md.
 """
 
 from __future__ import annotations
@@ -31,34 +30,23 @@ OPTIONAL = ("collate", "build_optimizer", "shard_units")
 # Optional, no default: no evaluation without build_eval_data.
 EVALUATION = ("build_eval_data", "eval_metrics", "eval_summary")
 Optimizers = tuple[torch.optim.Optimizer, "torch.optim.lr_scheduler.LRScheduler | None"]
-# The harness modules that moved when the package was reorganised into folders
-# (CHANGELOG.md): old module -> where its code is now, relative to the package. A task
-# that imports an old one is told the new import (exit 2) instead of a bare
-# ModuleNotFoundError. The commands' entries (train, resume, ...) and config/ and the
-# folders preemption/, launch/ stayed importable: for them only the names count.
+# Modules moved by the reorganisation into folders (CHANGELOG.md): old -> new, relative to
+# the package. A task importing an old one is told the new import (exit 2). The command
+# entries, config/, preemption/ and launch/ stayed importable: for them, moved names count.
 MOVED_MODULES = {
-    "trainer": ("loop.trainer",),
-    "sampling": ("loop.sampling",),
+    "trainer": ("loop.trainer",), "sampling": ("loop.sampling",),
     "task_contract": ("loop.task_contract",),
     "distributed": ("runtime.distributed", "loop.parallelize"),
-    "exit_codes": ("runtime.exit_codes",),
-    "metrics": ("runtime.metrics",),
+    "exit_codes": ("runtime.exit_codes",), "metrics": ("runtime.metrics",),
     "stop": ("preemption.stop", "checkpoint.policy", "checkpoint.final_save"),
-    "preemption": ("preemption.watch",),
-    "watchdog": ("recovery.watchdog",),
-    "progress_guard": ("recovery.progress_guard",),
-    "stragglers": ("recovery.stragglers",),
+    "preemption": ("preemption.watch",), "watchdog": ("recovery.watchdog",),
+    "progress_guard": ("recovery.progress_guard",), "stragglers": ("recovery.stragglers",),
     "exits": ("recovery.attempts", "runtime.exit_codes"),
-    "launch": ("launch.torchrun",),
-    "launch.command": ("launch.torchrun",),
-    "plan_model": ("interval.formulas",),
-    "plan_report": ("interval.report",),
-    "plan_plot": ("interval.plot",),
-    "bench_loop": ("tools.bench_loop",),
-    "bench_report": ("tools.bench_report",),
-    "drill_report": ("tools.drill_report",),
-    "tokenizer": ("tools.tokenizer",),
-    "config": ("config.schema", "config.schedule"),
+    "launch": ("launch.torchrun",), "launch.command": ("launch.torchrun",),
+    "plan_model": ("interval.formulas",), "plan_report": ("interval.report",),
+    "plan_plot": ("interval.plot",), "bench_loop": ("tools.bench_loop",),
+    "bench_report": ("tools.bench_report",), "drill_report": ("tools.drill_report",),
+    "tokenizer": ("tools.tokenizer",), "config": ("config.schema", "config.schedule"),
     "checkpoint.planner": ("checkpoint.save.dcp_planner",),
     # checkpoint/ in wings (CHANGELOG.md, Unreleased).
     **{f"checkpoint.{old}": (f"checkpoint.{new}",) for old, new in (
@@ -117,8 +105,7 @@ def load_task(module: ModuleType | None = None) -> Task:
 
 
 def _with_context(build_model: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """``build_model(cfg, ctx)``, or the older ``build_model(cfg)`` given the config alone
-    (task files written before the context existed keep working)."""
+    """``build_model(cfg, ctx)``, calling an older ``build_model(cfg)`` with the config alone."""
     try:
         params = inspect.signature(build_model).parameters.values()
     except (TypeError, ValueError):  # a builtin or C callable: call it as before
@@ -135,9 +122,8 @@ def _with_context(build_model: Callable[..., nn.Module]) -> Callable[..., nn.Mod
     return build
 
 
-# Filling a tensor with values: on the meta device there are none, and torch's meta kernels
-# for some of them import torch._dynamo on first use (seconds of CPU that resume, which
-# checks the task's model before torchrun starts, would otherwise pay).
+# Value fills, skipped on the meta device: some meta kernels import torch._dynamo on first
+# use (seconds of CPU for resume, which checks the task's model before torchrun starts).
 _VALUE_FILLS = frozenset({"normal_", "uniform_", "trunc_normal_", "fill_", "zero_", "zeros_",
                           "ones_", "constant_", "erfinv_", "clamp_", "exponential_",
                           "bernoulli_", "random_", "log_normal_", "cauchy_", "geometric_"})
@@ -160,11 +146,8 @@ def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
 
 
 def check_config(task: Task, cfg: Config) -> None:
-    """Let the task refuse its configuration before anything runs (raises ConfigError).
-
-    The model is built on the meta device (``build_on_meta``). Only ConfigError counts
-    here; anything else is left for the run to report.
-    """
+    """Let the task refuse its configuration (ConfigError) by building the model on meta;
+    any other error is left for the run to report."""
     try:
         build_on_meta(lambda: task.build_model(cfg))
     except ConfigError:
@@ -176,8 +159,7 @@ def check_config(task: Task, cfg: Config) -> None:
 # ------------------------------------------------------------ moved modules --
 
 def moved_import(exc: ImportError) -> str | None:
-    """The sentence for an import of a module in MOVED_MODULES (None for any other):
-    which file and line, the old module, where its code is now, the import to write."""
+    """For an import of a MOVED_MODULES module (else None): where, what moved, the new import."""
     old, names = _old_module(exc)
     if old not in MOVED_MODULES:
         return None
@@ -212,8 +194,7 @@ def moved_import(exc: ImportError) -> str | None:
 
 
 def _old_module(exc: ImportError) -> tuple[str | None, list[str]]:
-    """The module of the package that the failed import named, relative to the package,
-    and the names imported from it when the error says them."""
+    """The package-relative module the failed import named, and the names the error gives."""
     name = exc.name or ""
     if not (name == PACKAGE or name.startswith(PACKAGE + ".")):
         return None, []
@@ -278,11 +259,8 @@ def default_optimizer(model: nn.Module, cfg: Config) -> Optimizers:
 
 
 def default_shard_units(model: nn.Module) -> list[nn.Module]:
-    """The submodules FSDP2 shards one by one before the root.
-
-    A Hugging Face model names its layer classes in ``_no_split_modules``; otherwise a
-    ``blocks`` or ``layers`` list; otherwise none (the whole model is one unit).
-    """
+    """The submodules FSDP2 shards before the root: a Hugging Face model's
+    ``_no_split_modules`` classes, else ``blocks`` or ``layers``, else none (one unit)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     if names:
         return [m for m in model.modules() if type(m).__name__ in names]

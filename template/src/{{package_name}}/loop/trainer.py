@@ -1,10 +1,8 @@
 """The training loop: build from the task, resume, then step, save when due, stop when asked.
 
-Data flows one way: the trainer builds the model, data, loss and optimizer from the
-user's task (task.py, through ``task_contract``), owns the data position and RNG, and
-hands the state to the save policy once per step. When to save lives in
-``checkpoint.policy``; how to stop in ``stop``; the DataLoader in ``loader``. Nothing
-below the trainer calls back up.
+The trainer builds everything from the task (through ``task_contract``), owns the data
+position and RNG, and hands its state to the checkpointer once per step; when to save and
+stop is decided there (``checkpoint.policy``). Nothing below the trainer calls back up.
 """
 
 from __future__ import annotations
@@ -69,9 +67,8 @@ class NoStragglerCheck:
 
 
 def straggler_check(cfg: Config, runtime: Runtime, metrics: MetricsLog) -> Any:
-    """The straggler check recovery.straggler_every_steps asks for. Straggler detection is
-    rendered with the copier answer straggler_detection; the config refuses the setting
-    without it (config/parts.py)."""
+    """The check recovery.straggler_every_steps asks for (rendered with the copier answer
+    straggler_detection; without it the config refuses the setting: config/parts.py)."""
     if not cfg.recovery.straggler_every_steps:
         return NoStragglerCheck()
     from ..recovery.stragglers import StragglerCheck
@@ -84,8 +81,7 @@ class Trainer:
                  metrics: MetricsLog, watchdog: StepWatchdog | None = None,
                  stop_requested: Callable[[], bool] = lambda: False) -> None:
         self.cfg, self.task, self.runtime = cfg, task, runtime
-        self.checkpointer = checkpointer
-        self.metrics = metrics
+        self.checkpointer, self.metrics = checkpointer, metrics
         train = cfg.train
         # Refuse a world size that cannot keep the global batch before anything is built.
         self.split = split_global_batch(train.global_batch_size, train.micro_batch_size,
@@ -115,12 +111,11 @@ class Trainer:
     # ------------------------------------------------- what a checkpoint holds --
     def state(self, *, with_rng: bool = True) -> dict[str, Any]:
         """The training state a checkpoint holds (Stateful adapters, reused across saves)."""
+        if self._adapters is None:
+            self._adapters = training_state(self.model, self.optimizer, self.scheduler,
+                                            self.progress,
+                                            RankRNG(self.runtime.rank, self.runtime.device))
         adapters = self._adapters
-        if adapters is None:
-            adapters = self._adapters = training_state(self.model, self.optimizer,
-                                                       self.scheduler, self.progress,
-                                                       RankRNG(self.runtime.rank,
-                                                               self.runtime.device))
         return adapters if with_rng else {k: v for k, v in adapters.items() if k != "rng"}
 
     def model_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -132,10 +127,8 @@ class Trainer:
         torch.manual_seed(rank_seed(self.cfg.train.seed, step, self.runtime.rank))
 
     def resume(self) -> Committed | None:
-        """Load the newest checkpoint that loads (the checkpointer chooses); None: fresh.
-
-        An evaluation due at the resumed step that the saved run did not finish (a stop
-        came during it) runs first, so no evaluation point is lost."""
+        """Load the newest checkpoint that loads; None: fresh. A due evaluation the saved run
+        did not finish (a stop came during it) runs first."""
         resumed = self.checkpointer.load(self)
         if resumed is not None:
             self.last_eval_step = resumed.record.get("last_eval_step")
@@ -145,8 +138,7 @@ class Trainer:
         return resumed
 
     def _plain_config(self) -> dict[str, Any]:
-        """The configuration as plain data, made once (OmegaConf takes ~15 ms: too long for
-        the training path of a memory save every few steps)."""
+        """The config as plain data, made once (OmegaConf's ~15 ms is long for frequent saves)."""
         if self._config_record is None:
             self._config_record = to_plain_dict(self.cfg)
         return self._config_record
@@ -175,11 +167,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ step --
     def train_step(self, batches: Iterator[Any]) -> dict[str, float]:
-        """One optimizer step over the global batch; returns its loss, grad norm and metrics.
-
-        The loss and every metric are averaged over the global batch (micro-batches and
-        ranks hold equal numbers of samples).
-        """
+        """One optimizer step; its loss, grad norm and metrics, averaged over the global batch."""
         self.model.train()
         accum = self.split.grad_accum_steps
         sums: dict[str, torch.Tensor] = {}
@@ -224,12 +212,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop --
     def run(self) -> Outcome:
-        """Step until ``train.max_steps`` or until the checkpointer says stop.
-
-        The checkpointer's decision after each step (and once before the first, so that a
-        stop asked for during start-up ends the run before step one) says whether to stop;
-        saving, preemption and failing saves are its business.
-        """
+        """Step until ``train.max_steps`` or until the checkpointer, which owns saving and
+        preemption, says stop."""
         max_steps = self.cfg.train.max_steps
         batches = self.micro_batches()
         rate = None  # samples/s, smoothed

@@ -1,7 +1,6 @@
 """Models the default task composes; a task of yours may use them or bring its own.
 
-``hf`` needs the optional transformers dependency and imports it only when used.
-"""
+``hf`` imports the optional transformers dependency only when used."""
 
 from .hf import HFConfig, build_hf_model, check_data_fits
 from .tiny import TinyConfig, TinyLM

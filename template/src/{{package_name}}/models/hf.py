@@ -1,14 +1,8 @@
 """Any Hugging Face ``transformers`` causal language model: the default task's ``model.kind: hf``.
 
-Exactly one of ``model.path`` (a local directory with ``config.json``, and weights,
-``*.safetensors`` or ``pytorch_model*.bin``, when present; or a hub name already in the
-local cache: nothing is downloaded) and ``model.config_class`` (a configuration class of
-transformers with its defaults: fresh weights). ``model.config`` overrides fields of that
-configuration; a name the class lacks is refused, naming the key. Weights stay in fp32
-(``train.precision: bf16`` computes in bf16 on CUDA). Pretrained weights load only when
-``load_weights`` is true, which the default task asks at a run's first start only
-(docs/EXTENDING.md, "Train a Hugging Face model on your corpus"). transformers is an
-optional dependency (``pip install -e '.[hf]'``), imported here only.
+The ``model:`` keys: ``HFConfig`` and docs/EXTENDING.md, "Train a Hugging Face model on your
+corpus". Weights stay in fp32; nothing is downloaded; transformers is an optional
+dependency (``pip install -e '.[hf]'``), imported here only.
 """
 
 from __future__ import annotations
@@ -82,11 +76,8 @@ def has_weights(directory: Path) -> bool:
 
 
 def hf_config(cfg: HFConfig):
-    """The transformers configuration ``cfg`` describes, ``model.config`` applied.
-
-    Overrides go into the constructor (not set afterwards), so that derived fields such
-    as ``head_dim`` follow them.
-    """
+    """The transformers configuration ``cfg`` describes, ``model.config`` passed to the
+    constructor so that derived fields such as ``head_dim`` follow it."""
     transformers = transformers_module()
     if cfg.config_class:
         cls = getattr(transformers, cfg.config_class, None)
@@ -111,9 +102,8 @@ def hf_config(cfg: HFConfig):
 
 
 def build_hf_model(cfg: HFConfig, *, load_weights: bool) -> nn.Module:
-    """The causal LM, in fp32: pretrained weights from ``model.path`` when ``load_weights``
-    and the directory has them, otherwise initialised from the configuration (seeded by
-    the caller)."""
+    """The causal LM in fp32: pretrained weights from ``model.path`` when ``load_weights`` and
+    it has them, else initialised from the configuration (seeded by the caller)."""
     transformers = transformers_module()
     config = hf_config(cfg)
     options: dict[str, Any] = {"dtype": torch.float32}
@@ -126,10 +116,8 @@ def build_hf_model(cfg: HFConfig, *, load_weights: bool) -> nn.Module:
         if load_weights and directory is not None and has_weights(directory) \
                 and not building_on_meta:
             if os.environ.get("RANK", "0") == "0":
-                log.info("loading pretrained weights from %s (first start of this run)",
-                         directory)
-            model = auto.from_pretrained(directory, config=config, local_files_only=True,
-                                         **options)
+                log.info("loading pretrained weights from %s (first start of this run)", directory)
+            model = auto.from_pretrained(directory, config=config, local_files_only=True, **options)
         else:
             model = auto.from_config(config, **options)
     except ValueError as exc:
@@ -137,8 +125,7 @@ def build_hf_model(cfg: HFConfig, *, load_weights: bool) -> nn.Module:
             raise
         raise ConfigError(f"model: {type(config).__name__} has no causal language model in "
                           "transformers (AutoModelForCausalLM)") from None
-    # Training never reads the key/value cache, and a cache would grow again when
-    # activation checkpointing recomputes a layer.
+    # Training never reads the key/value cache, which activation checkpointing would regrow.
     model.config.use_cache = False
     return model
 

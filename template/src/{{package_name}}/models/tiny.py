@@ -1,8 +1,7 @@
 """A small decoder-only language model over bytes: the default task's model.
 
-Its configuration is the ``model:`` section of configs/train.yaml, checked by
-``TinyConfig``; its vocabulary is the data's (256 bytes by default). Its ``blocks`` are
-the units FSDP2 shards one by one.
+Configured by the ``model:`` section of configs/train.yaml (``TinyConfig``); its vocabulary
+is the data's (256 bytes by default); FSDP2 shards its ``blocks`` one by one.
 """
 
 from __future__ import annotations
@@ -37,24 +36,21 @@ class TinyConfig:
 class Block(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
         super().__init__()
-        self.n_heads = n_heads
-        self.dropout = dropout
+        self.n_heads, self.dropout = n_heads, dropout
         self.norm1 = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.norm2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
-        )
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
+                                 nn.Linear(4 * d_model, d_model))
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(width, dim=-1)
         q, k, v = (t.view(batch, seq, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
-        attn = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
         x = x + self.drop(self.proj(attn.transpose(1, 2).reshape(batch, seq, width)))
         return x + self.drop(self.mlp(self.norm2(x)))
 
@@ -65,9 +61,8 @@ class TinyLM(nn.Module):
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
         self.pos = nn.Embedding(max_seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(
-            Block(cfg.d_model, cfg.n_heads, cfg.dropout) for _ in range(cfg.n_layers)
-        )
+        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.n_heads, cfg.dropout)
+                                    for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, vocab_size, bias=False)
 

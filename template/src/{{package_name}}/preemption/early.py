@@ -1,11 +1,9 @@
 """Signals that come while a command is still starting are kept, not fatal.
 
-Importing torch takes seconds; a SIGTERM in that time would end the process with the
-default action (exit 143) before any handler is installed, and a preemption that lands
-early would look like a crash. The command entries (``train.py``, ``resume.py``) call
-``hold()`` before their first heavy import; the real handlers, once installed, take the
-signals held so far with ``take()``. Only this module's standard-library imports run
-before ``hold()``.
+A SIGTERM while torch imports would end the process by the default action (exit 143): an
+early preemption would look like a crash. The command entries (``train.py``, ``resume.py``)
+call ``hold()`` before their first heavy import; the real handlers, once installed, take the
+signals held so far with ``take()``. Only standard-library imports run before ``hold()``.
 """
 
 from __future__ import annotations
@@ -30,13 +28,9 @@ def hold() -> None:
 
 
 def take(handled: list[signal.Signals] | tuple[signal.Signals, ...]) -> list[signal.Signals]:
-    """The signals held so far, in order of arrival, once each; nothing is held after.
-
-    Call it right after installing the real handlers for ``handled``. A HELD signal that
-    is not among ``handled`` gets back the handler it had before ``hold()``, and if it
-    came meanwhile, it is raised again now, as if it had never been held (SIGUSR1's and
-    SIGTERM's default action ends the process).
-    """
+    """The signals held so far, in order of arrival, once each; nothing is held after. Call
+    it right after installing the real handlers for ``handled``: any other HELD signal gets
+    back its handler from before ``hold()`` and, if it came meanwhile, is raised again now."""
     held = list(dict.fromkeys(_pending))
     _pending.clear()
     for sig, before in _before.items():

@@ -1,13 +1,10 @@
 """A worker whose launcher died stops within the grace period, and leaves nothing behind.
 
-A launcher can die (torchrun without ``--signals-to-handle`` dies of a SIGUSR1; any can be
-killed), leaving its workers re-parented, never to be signalled. ``LauncherWatch`` is a
-thread that checks the parent every ``POLL_S``: once the launcher is gone it asks for a
-stop (source ``launcher-gone``), agreed by every rank at the next step boundary, with a
-final checkpoint as on a preemption. If the process is still there ``grace_s - MARGIN_S``
-later (stuck in a step, a save, a collective or a full output pipe), it ends its children
-(DCP's checkpoint process, DataLoader workers), then itself with ``os._exit``; a save cut
-off there never counts, having no commit record. docs/PREEMPTION.md, "Bounded waits".
+``LauncherWatch`` checks the parent every ``POLL_S``; once it is gone (torchrun without
+``--signals-to-handle`` dies of a SIGUSR1; any launcher can be killed) it asks for a stop
+(``launcher-gone``) as on a preemption, and ``grace_s - MARGIN_S`` later ends the process's
+children, then the process (``os._exit``): a save cut off there has no commit record and never
+counts. docs/PREEMPTION.md, "Bounded waits".
 """
 
 from __future__ import annotations
@@ -23,8 +20,8 @@ from ..runtime.lifeline import TORCHRUN_ENV, say_if_heard
 from .watch import PreemptionWatch
 
 POLL_S = 0.25         # how often the parent is looked at
-# The hard end comes this much before the grace period is over: room for POLL_S and for
-# the exit itself (children killed, reaped), which took up to 1.2 s on 2 busy cores.
+# The hard end comes this much before the grace period is over: room for POLL_S and the
+# exit itself (children killed, reaped: up to 1.2 s on 2 busy cores).
 MARGIN_S = 2.0
 MIN_DEADLINE_S = 3.0  # never sooner than this after the launcher was seen gone
 
@@ -50,8 +47,7 @@ def describe(pid: int) -> str:
 
 
 class LauncherWatch:
-    """Watches the launcher; see the module docstring. ``status`` gives the exit status of
-    a hard end (called from this thread: it must only read)."""
+    """``status`` gives a hard end's exit status (called from this thread: it must only read)."""
 
     def __init__(self, watch: PreemptionWatch, pid: int, grace_s: float,
                  status: Callable[[], int], poll_s: float = POLL_S) -> None:
@@ -68,9 +64,8 @@ class LauncherWatch:
         return self
 
     def stop(self) -> None:
-        """The process is ending on its own: no more looking at the launcher. A hard end
-        already armed (the launcher seen gone) stays armed: the exit itself can block, a
-        traceback written to an output pipe nobody reads any more."""
+        """Stop looking at the launcher. A hard end already armed stays armed: the exit itself
+        can block (a traceback written to an output pipe nobody reads any more)."""
         self._done.set()
 
     def _run(self) -> None:

@@ -1,10 +1,8 @@
 """The stop protocol: every rank stops at the same step.
 
-Requests come from the preemption watch (signals, cloud notices). At each step boundary
-the ranks ``vote`` with one small all-reduce, so that they all stop at the same step
-even when only one of them was told. What is saved at the stop (drain the save in
-flight, a final checkpoint if the grace period allows) is the checkpointer's decision
-(``checkpoint.policy``): preemption is one more reason to save.
+Requests come from the preemption watch; at each step boundary the ranks ``vote`` with one
+small all-reduce, so that they all stop at the same step even when only one was told. What
+is saved at the stop is the checkpointer's decision (``checkpoint.policy``).
 """
 
 from __future__ import annotations
@@ -43,12 +41,9 @@ class StopCoordinator:
         return self.watch.requested is not None
 
     def vote(self, failed_saves: int = 0) -> Vote:
-        """One small all-reduce at a step boundary, so that every rank decides alike.
-
-        Carries the wall-clock time of the earliest stop request on any rank and the most
-        failed saves on any rank. A worker whose launcher (torchrun) has gone asks for a
-        stop here too: workers never train on as orphans.
-        """
+        """One small all-reduce at a step boundary: the earliest stop request and the most
+        failed saves on any rank. A worker whose launcher (torchrun) is gone asks for a stop
+        here too: workers never train on as orphans."""
         if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
             self.watch.request(launcher.SOURCE, launcher.describe(self.launcher_pid))
         request = self.watch.requested
@@ -65,11 +60,8 @@ class StopCoordinator:
         return self.watch.count
 
     def agreed_source(self, step: int) -> tuple[str, int, str, list[int]]:
-        """Source, rank and detail of the earliest request, and every rank's step.
-
-        A collective, run once when stopping: rank 0 logs what reached another rank
-        first, and the steps show that all ranks stopped at the same one.
-        """
+        """Source, rank and detail of the earliest request, and every rank's step (to show
+        they agree): a collective, run once when stopping."""
         request = self.watch.requested
         mine = ((request.wall_time, request.source, request.detail) if request is not None
                 else (math.inf, "", "")) + (step,)

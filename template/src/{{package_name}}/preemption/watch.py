@@ -1,12 +1,8 @@
 """Preemption: notice that the machine is going away and ask the loop to stop.
 
-A signal handler (or a cloud-notice poller, notices.py) only records the request; the training
-loop reads it at a step boundary, where all ranks vote so that they stop at the same
-step even when only one of them was told.
-
-Cloud notices come from the instance metadata service of the machine, polled in a
-background thread by one process per node (local rank 0); the vote at the next step
-boundary carries the request to every other rank, on this node and on the others.
+A signal handler (or a cloud-notice poller, notices.py) only records the request; the loop
+reads it at a step boundary, where all ranks vote so that they stop at the same step. Cloud
+notices are polled by one process per node (local rank 0); the vote carries them to the rest.
 """
 
 from __future__ import annotations
@@ -65,8 +61,7 @@ class PreemptionWatch:
 
     @staticmethod
     def _second_interrupt() -> None:
-        """A second Ctrl-C: leave at once, without the final save (the newest committed
-        checkpoint stays the one to resume from; nothing torn ever counts)."""
+        """A second Ctrl-C: leave at once, without the final save (nothing torn ever counts)."""
         os.write(2, b"second Ctrl-C: exiting now without a final save; the newest committed "
                     b"checkpoint stays the one to resume from\n")
         for child in multiprocessing.active_children():
@@ -89,11 +84,8 @@ class PreemptionWatch:
         return self._count
 
 
-# ------------------------------------------------- cloud notice windows --
-
-# Seconds from a cloud's preemption notice to the machine going away (AWS: two minutes;
-# GCP: 30 s; Azure: at least 30 s). The copy-time checklist flags a longer grace period
-# from the same table (the template's includes/clouds.jinja; its tests compare both).
+# Seconds from a cloud's preemption notice to the machine going away (Azure: at least). The
+# copy-time checklist has the same table (the template's includes/clouds.jinja; tests compare).
 NOTICE_WINDOW_S: dict[NoticeSource, float] = {
     NoticeSource.aws: 120.0, NoticeSource.gcp: 30.0, NoticeSource.azure: 30.0,
 }

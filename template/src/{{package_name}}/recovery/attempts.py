@@ -3,15 +3,9 @@
     <log.dir>/exits/rank<R>.json   {"rank", "host", "pid", "run_id", "restart", "started",
                                     "state", "status", "step", "reason", "time"}
 
-Every rank writes ``running`` as it starts and, when it ends, how: ``ended`` with the
-status training decided, ``crashed`` with the last line of the exception, or ``hung``
-when its watchdog fired. A rank killed by a signal (SIGKILL, the out-of-memory killer)
-or a fatal error (a segmentation fault) writes nothing more: its record still says
-``running``, and nothing else can tell its status (torchrun keeps it to itself).
-
-The next start (an in-place restart by torchrun, or a new job) gathers every rank's
-records of the previous attempt before writing its own, and rank 0 puts the cause of
-the previous end into its ``start`` event (docs/RECOVERY.md).
+``state``: ``running`` from the start, then ``ended``, ``crashed`` or ``hung``; a rank
+killed by a signal or a fatal error leaves ``running``. The next start gathers the
+previous one's records; rank 0 logs the cause in its ``start`` event (docs/RECOVERY.md).
 """
 
 from __future__ import annotations
@@ -31,13 +25,11 @@ from ..runtime.output_dirs import make_output_dir
 
 EXITS_DIR = "exits"
 ONE_START_S = 600.0  # the ranks of one start begin within this of each other
-# Which record of an attempt names its cause: a rank that died without a word first (the
-# others' errors follow from its death), then a hung rank, then a crash, then a decision.
+# Which record names the cause, first to last (a silent death explains the others' errors).
 _PRIORITY = {"running": 0, "hung": 1, "crashed": 2, "ended": 3}
 KIND = {"running": "lost", "hung": "hang", "crashed": "crash", "ended": "exit"}
-# Ends that count as failures of the job. Not "killed" (every rank ended without a word:
-# the machine or the whole job was killed from outside, as a preemption without notice
-# is) and not "exit" (a status training decided: finished, preempted, not saved, ...).
+# Ends that count as failures of the job; not "killed" (every rank ended without a word: a
+# kill from outside, as a preemption without notice) nor "exit" (a status training decided).
 FAILURES = ("lost", "hang", "crash")
 
 
@@ -58,9 +50,8 @@ class Attempt:
         self.dir = Path(log_dir) / EXITS_DIR
         self.rank = rank
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        # The job's count: the highest of every rank's (job.py sets it after the
-        # rendezvous). A replacement node's torchrun counts from 0 while its peers have
-        # restarted in place, and global rank 0 may be on it.
+        # The job's count, the highest of every rank's (job.py, after the rendezvous): a
+        # replacement node's torchrun counts from 0, and global rank 0 may be on it.
         self.job_restart = self.restart
         self.max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
         self.run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
@@ -106,8 +97,7 @@ class Attempt:
             pass  # a full or read-only log.dir costs the next start its cause, nothing more
 
     def begin(self, **fields: Any) -> None:
-        """This rank is running (again with ``fields``, e.g. rank 0's ``newest_step``:
-        the newest committed checkpoint when this start began)."""
+        """This rank is running (``fields``: e.g. rank 0's ``newest_step`` at this start)."""
         self._record.update(fields)
         self._write("running")
 
@@ -125,8 +115,7 @@ class Attempt:
 
 
 def read_records(log_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every rank's record in ``<log_dir>/exits`` (this node's ranks, or all of them when
-    log.dir is shared)."""
+    """Every rank's record in ``<log_dir>/exits`` (this node's, or all when log.dir is shared)."""
     records = []
     for path in sorted((Path(log_dir) / EXITS_DIR).glob("rank*.json")):
         try:
@@ -139,12 +128,7 @@ def read_records(log_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def gather_previous(attempt: Attempt, world_size: int) -> list[dict[str, Any]]:
-    """Every rank's records of the previous attempt (a collective: call it on all ranks,
-    before ``attempt.begin()``).
-
-    Each rank reads its own node's folder, so this works whether log.dir is shared or
-    not. Only the newest attempt found is kept: the ranks of the previous start.
-    """
+    """Every rank's records of the previous start (a collective, before ``attempt.begin()``)."""
     mine = attempt.local_records()
     if world_size > 1:
         every: list = [None] * world_size
@@ -178,15 +162,9 @@ def describe(record: dict[str, Any]) -> str:
 
 
 def cause(records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The cause of the previous end, from its ranks' records, or None when none are known.
-
-    ``kind`` is ``lost`` (a rank died without a record while others recorded its
-    consequences), ``killed`` (every rank died without a word), ``hang``, ``crash`` or
-    ``exit`` (a status training decided: finished, preempted, ...). ``failed_at`` is when
-    the failure was first recorded (for a rank that died without a word: when the first
-    of the others noticed), None when unknown or after a decided exit. ``attempt``
-    identifies the start the records are of.
-    """
+    """The cause of the previous end from its ranks' records (None: none known). ``kind``:
+    ``lost`` (one rank died without a word), ``killed`` (all did), ``hang``, ``crash`` or
+    ``exit``; ``failed_at``: when the failure was first recorded (None: unknown, or exit)."""
     if not records:
         return None
     primary = min(records, key=lambda r: (_PRIORITY[r["state"]], r.get("time", 0)))

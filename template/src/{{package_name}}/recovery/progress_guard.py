@@ -2,14 +2,10 @@
 
     <checkpoint.dir>/progress.json   {"newest_step", "failed_starts", "last_counted", "history"}
 
-At each start rank 0 learns from ``exits.cause`` how the previous start ended and what
-the newest committed checkpoint was when it began, and counts it when it failed without
-a newer step to restart from (``Checkpointer.newest_recoverable_step``: a commit or, with
-the memory tier, a memory copy of rank 0's state). The file goes through the Storage
-interface (object stores too) and exists only while failures are being counted. At
-``recovery.max_attempts_without_progress`` the start refuses with exit status 79
-(``NO_PROGRESS``). What counts, what does not, and how to try again: docs/RECOVERY.md,
-"No progress: stop asking to be retried".
+Rank 0 counts each start that failed without a newer step to restart from
+(``Checkpointer.newest_recoverable_step``); at ``recovery.max_attempts_without_progress``
+the start refuses with exit 79. The file (through Storage) exists only while failures are
+counted. docs/RECOVERY.md, "No progress: stop asking to be retried".
 """
 
 from __future__ import annotations
@@ -67,22 +63,15 @@ class ProgressGuard:
 
     def on_start(self, newest_step: int | None,
                  previous: dict[str, Any] | None) -> tuple[int, str | None]:
-        """Count the previous start if it failed without progress (rank 0); returns the
-        failed starts in a row and why this start must not run (None: it may).
-
-        ``newest_step`` is the newest committed checkpoint now (None: there is none);
-        ``previous`` the cause of the previous end (``exits.cause``), or None.
-        """
+        """Count ``previous`` if it failed without progress; the count, and why not to run."""
         state = self.read()
         newest = -1 if newest_step is None else newest_step
         failed = previous is not None and (
             previous.get("kind") in FAILURES
-            # saves failed: a scheduler requeues it, and a storage that stays broken
-            # would have it requeued for ever
+            # saves failed: a storage that stays broken would be requeued for ever
             or (previous.get("kind") == "exit" and previous.get("status") == NOT_SAVED))
         if failed:
-            # What was newest when that start began; unknown when it died before it
-            # looked, and then it had no time to commit anything either.
+            # Newest when that start began; unknown: it died before it looked (nor committed)
             began = previous.get("newest_step")
             if began is None:
                 began = state["newest_step"] if state is not None else newest

@@ -1,14 +1,9 @@
 """The step watchdog: a rank whose step does not finish in time shows where it is stuck,
 then exits so that torchrun restarts the workers in place.
 
-A thread per rank. The trainer tells it when each step finishes; if none finishes within
-the bound, it writes every thread's stack to standard error (``faulthandler``), calls
-``on_hang`` (the ``hang`` event and this rank's exit record) and exits with status 124
-(``exit_codes.HUNG``). The bound (``recovery.step_timeout_s``, automatic when 0;
-``recovery.first_step_timeout_s`` for a start's first step and until 20 steps are
-measured) and why it is shorter than the collective timeout: docs/RECOVERY.md, "Hung
-ranks: the step watchdog". The trainer widens it for a step that starts a save
-(``allow``).
+On a hang: every thread's stack to stderr, ``on_hang`` (the ``hang`` event, the exit
+record), exit 124 (``exit_codes.HUNG``). The bounds: docs/RECOVERY.md, "Hung ranks: the
+step watchdog"; a step that starts a save widens it (``allow``).
 """
 
 from __future__ import annotations
@@ -51,7 +46,6 @@ class StepWatchdog:
         self._thread: threading.Thread | None = None
         self.fired = False
 
-    # --------------------------------------------------------------- bound --
     def timeout_s(self) -> float:
         """The bound on the step now running."""
         if self._steps == 0:
@@ -62,7 +56,6 @@ class StepWatchdog:
             return self.first_step_timeout_s
         return max(AUTO_MIN_S, AUTO_FACTOR * statistics.median(self._times))
 
-    # ------------------------------------------------------- from the loop --
     def start(self, step: int) -> None:
         """Arm it before the first step of this start."""
         self.step = step
@@ -73,7 +66,6 @@ class StepWatchdog:
         self._thread.start()
 
     def beat(self, step: int, step_time_s: float) -> None:
-        """A step finished."""
         self._times.append(step_time_s)
         self._steps += 1
         self.step = step
@@ -101,7 +93,6 @@ class StepWatchdog:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
-    # ------------------------------------------------------------- thread --
     def _watch(self) -> None:
         while True:
             with self._lock:

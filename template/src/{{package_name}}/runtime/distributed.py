@@ -46,25 +46,14 @@ class BackendUnavailable(ValueError):
 
 def setup(backend: str = "auto",
           collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Runtime:
-    """Join (or, without torchrun, create) the process group and pick the device.
-
-    ``backend`` is distributed.backend: auto (nccl with CUDA, gloo otherwise), nccl or gloo.
-
-    Run without torchrun, the process makes itself a one-rank group, so the same code
-    path (FSDP2, DCP, the background checkpoint process) serves both cases.
-
-    ``collective_timeout_s`` bounds each collective (gloo; NCCL with its async error
-    handling). It is longer than the step watchdog's bound on purpose: outside the
-    training loop collectives wait legitimately for minutes (rank 0 checksumming the
-    checkpoint before the broadcast of its choice, the commit barrier, a synchronous
-    final save), and inside the loop the watchdog fires first, with every thread's
-    stack, instead of a bare timeout error (docs/RECOVERY.md).
+    """Join the process group (without torchrun: make a one-rank one, so the same code path
+    serves both) and pick the device. ``backend``: auto (nccl with CUDA, else gloo), nccl, gloo.
+    ``collective_timeout_s`` is longer than the watchdog's bound on purpose (docs/RECOVERY.md).
     """
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    # DCP's background checkpoint processes then share this job's store (under a prefix)
-    # instead of opening an unauthenticated TCPStore of their own on every interface.
+    # DCP's checkpoint processes share this job's store, not an unauthenticated one of theirs.
     os.environ.setdefault("DCP_USE_PREFIX_STORE", "1")
     if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
         missing = "no CUDA device" if not torch.cuda.is_available() else "a torch without NCCL"
@@ -75,19 +64,15 @@ def setup(backend: str = "auto",
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     backend = backend if backend != "auto" else ("nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
-        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if not dist.is_initialized():
-        # CPU collectives are needed for the preemption vote and DCP's own coordination
-        # even when training uses NCCL.
-        pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
         if os.environ["RANK"] != "0":
             _wait_for_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                             collective_timeout_s)
-        dist.init_process_group(pg_backend,
+        # CPU collectives (the preemption vote, DCP's coordination) even with NCCL.
+        dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo",
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
     return Runtime(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
@@ -96,10 +81,8 @@ STORE_POLL_S = 0.01
 
 
 def _wait_for_store(host: str, port: int, bound_s: float) -> None:
-    """Until rank 0's store accepts connections, at most ``bound_s``: a TCPStore client
-    that finds no server yet retries only after 0.3 s or more, which an in-place restart
-    paid whenever another rank's new worker got there before rank 0's. Past the bound,
-    ``init_process_group`` fails with its own message."""
+    """Until rank 0's store listens, at most ``bound_s``: a TCPStore client that finds no
+    server retries only after 0.3 s or more, which an in-place restart paid."""
     deadline = time.monotonic() + bound_s
     while True:
         try:
@@ -116,22 +99,14 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------- collectives --
-# Every part of the harness that must decide alike on every rank uses these: one
-# rank decides what only it knows (what committed, which checkpoint to load, whether
-# the lease is held), or every rank reports a flag and all learn whether any raised it.
+# ---------------------------------------- collectives: what every rank decides alike --
 
 def _several_ranks() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
 def decide_on_rank0(decide: Callable[[], T]) -> T:
-    """Rank 0 runs ``decide()``; every rank returns its value, or raises its exception.
-
-    The other ranks never call ``decide``. An exception on rank 0 is sent to every rank
-    (as a RuntimeError with its message when it cannot be pickled) and raised there too,
-    so no rank is left waiting for a decision that never comes.
-    """
+    """Rank 0 (only) runs ``decide()``; every rank returns its value or raises its exception."""
     if not _several_ranks():
         return decide()
     box: list = [None, None]   # the value, the exception

@@ -1,16 +1,10 @@
 """A child process of a training worker ends within a second of the worker's death.
 
-A worker's children (DCP's background checkpoint process, spawned: a new Python that
-imports this package's command as ``__mp_main__``; DataLoader workers) outlive a worker
-killed with SIGKILL: re-parented, a checkpoint process was seen alive 7 minutes later,
-holding its memory and retrying its connection to the dead worker's store. So each child
-watches the process above it: a thread looks every ``POLL_S`` and ends the child with
-``os._exit`` once its parent has changed, whatever it is doing; a save cut off so is
-never committed (only the worker commits). The calls: ``hand_down`` in the worker,
-``follow_parent`` and ``say_if_heard`` in the child; ``on_parent_gone`` also lets the
-agent watch ``resume``. This module imports nothing heavy: a spawned child starts
-watching before it imports torch. docs/PREEMPTION.md, "What happens" (the drain) and the
-table of processes killed outright.
+A worker's children (DCP's checkpoint process, spawned: it imports this package's command
+as ``__mp_main__``; DataLoader workers) outlive a worker killed with SIGKILL. So each has
+a thread that ends it with ``os._exit`` once its parent changed (a save cut off so is
+never committed): ``hand_down`` in the worker, ``follow_parent`` in the child. Nothing
+heavy is imported: a spawned child watches before it imports torch. docs/PREEMPTION.md.
 """
 
 from __future__ import annotations
@@ -37,13 +31,8 @@ def hand_down() -> None:
 
 
 def follow_parent(stop_signals: Sequence[int] = ()) -> None:
-    """In a child: end this process once its parent is no longer the one it started with.
-
-    The parent is the worker named by ``hand_down`` when that worker is this process's
-    parent or has died (the child was orphaned while starting: it ends here and now);
-    otherwise (a DataLoader worker's own child, a forkserver's) the parent of this moment,
-    whose children are then told it is theirs. ``stop_signals``: see ``_only_from``.
-    """
+    """In a child: end this process once its parent is no longer the one it started with
+    (at once if the handed-down worker died already; ``stop_signals``: ``_only_from``)."""
     parent = os.getppid()
     if stop_signals:
         _only_from(parent, stop_signals)   # before any thread starts: they inherit the mask
@@ -56,8 +45,7 @@ def follow_parent(stop_signals: Sequence[int] = ()) -> None:
 
 
 def on_parent_gone(parent: int, action: Callable[[], None], *, name: str) -> threading.Thread:
-    """Call ``action`` once, in a daemon thread, when this process's parent is no longer
-    ``parent`` (it died: the process was re-parented). Looked at every ``POLL_S``."""
+    """Call ``action`` once (a daemon thread) when this process's parent is not ``parent``."""
     def watch() -> None:
         event = threading.Event()
         while not event.wait(POLL_S):
@@ -71,20 +59,16 @@ def on_parent_gone(parent: int, action: Callable[[], None], *, name: str) -> thr
 
 
 def die_with_parent(parent: int) -> None:
-    """End this process with SIGKILL the moment ``parent`` (its parent now) ends; at once
-    if it already has. Linux; elsewhere nothing (``on_parent_gone`` is the portable way,
-    at the cost of a thread)."""
+    """SIGKILL this process the moment ``parent`` (its parent now) ends; at once if it has.
+    Linux only (``on_parent_gone`` is the portable way, at the cost of a thread)."""
     prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != parent:
         os._exit(EXIT_STATUS)
 
 
 def say_if_heard(line: str) -> None:
-    """Write ``line`` to stderr if it can take it now; never block, never change fd 2.
-
-    (Its open file is shared with the other processes of the job: a flag set on it would
-    be theirs too.)
-    """
+    """Write ``line`` to stderr if it can take it now; never block, never change fd 2 (its
+    open file is shared with the job's other processes: a flag set on it would be theirs)."""
     try:
         if select.select([], [2], [], 0)[1]:
             os.write(2, (line.rstrip("\n") + "\n").encode()[:512])   # below PIPE_BUF
@@ -93,17 +77,9 @@ def say_if_heard(line: str) -> None:
 
 
 def _only_from(parent: int, stop_signals: Sequence[int]) -> None:
-    """``stop_signals`` end this process when ``parent`` sends them, and only then.
-
-    torchrun's agent stops its workers with a signal to each worker's process group, and a
-    terminal's Ctrl-C or a scheduler's signal reaches the whole group too. DCP's checkpoint
-    process is in that group: ended first, it cuts off the background save in flight (the
-    save fails; a traceback comes from the worker's end of their pipe). The worker's stop
-    path decides instead; the signal its parent sends (multiprocessing ends a daemon child
-    with SIGTERM at the parent's exit) ends it as before. Blocked in every thread, taken
-    by one that reads the sender (Linux; elsewhere, without ``sigwaitinfo``, they act as
-    they always did).
-    """
+    """``stop_signals`` end this process when ``parent`` sends them, and only then: one sent
+    to the worker's whole process group must not cut off DCP's save in flight. Needs
+    ``sigwaitinfo`` (Linux); elsewhere the signals act as they always did."""
     if not hasattr(signal, "sigwaitinfo"):
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)

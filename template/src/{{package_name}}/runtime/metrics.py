@@ -1,8 +1,7 @@
 """Progress for people (a line every few steps) and for tools (metrics.jsonl).
 
-This module owns ``<log.dir>/metrics.jsonl``: the event names, the writer (rank 0
-appends one JSON object per line) and the readers every command uses (plan, resume,
-drill, the tests). A line cut short by a kill is skipped by every reader.
+``<log.dir>/metrics.jsonl``: the event names, rank 0's writer (one JSON object per line)
+and the readers every command uses, which skip a line cut short by a kill.
 """
 
 from __future__ import annotations
@@ -54,11 +53,8 @@ def parse_line(line: str | bytes) -> dict[str, Any] | None:
 
 def read_events(log_dir_or_file: str | os.PathLike, *kinds: Event | str,
                 since: float | None = None) -> tuple[list[dict[str, Any]], int]:
-    """The events of the given kinds (all when none given), logged at or after ``since``.
-
-    Returns them in file order, and the number of lines that could not be read (e.g. cut
-    short when the job was killed). A missing file has no events.
-    """
+    """The events of the given kinds (default all) logged at or after ``since``, in file
+    order, and the count of unreadable lines."""
     path = metrics_file(log_dir_or_file)
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -98,11 +94,7 @@ class EventTail:
 
 
 def append_event(log_dir: str | os.PathLike, kind: Event, **fields: Any) -> None:
-    """Append one event from any rank, in one write: a line shorter than the pipe buffer is
-    never interleaved with rank 0's (each of its lines is one write too).
-
-    For what a rank other than 0 must record itself, e.g. its watchdog firing.
-    """
+    """Append one event from any rank in one write, never interleaved with rank 0's lines."""
     make_output_dir(log_dir)   # ignored by git when made here (output_dirs.py)
     record = {"event": Event(kind).value, **fields, "time": time.time()}
     line = (json.dumps(record) + "\n").encode()

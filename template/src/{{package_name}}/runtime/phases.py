@@ -1,17 +1,11 @@
 """Where the seconds of a start go: its phases, marked as they end, logged at the first step.
 
     phases.mark(Phase.model_built)       # in the start path, once per phase
-    phases.report(previous)              # rank 0, after the first step: the timeline
+    phases.timeline(previous)            # rank 0, after the first step: the rows to log
 
-The phases in order, and the ``phase`` events in metrics.jsonl (the phase, its time
-``at``, ``duration_s`` since the phase recorded before it): docs/RECOVERY.md, "Where the
-seconds of a restart go". Times are wall-clock, so that a phase that ended in another
-process still counts: ``failure_detected`` and ``workers_stopped`` come from the
-previous start's crash, hang or exit records (none after a clean stop);
-``process_started`` is the kernel's start time. ``checkpoint_process_ready`` is off the
-path to the first step: the save policy logs it when the first save waits for it, with
-the seconds since it was started. ``resume --dry-run`` prints the newest start's
-breakdown (``breakdown``).
+The phases and their ``phase`` events: docs/RECOVERY.md, "Where the seconds of a restart
+go". Times are wall-clock, so a phase that ended in another process (the previous start's
+failure, ``process_started``) counts. ``resume --dry-run`` prints ``breakdown``.
 """
 
 from __future__ import annotations
@@ -49,8 +43,7 @@ def mark(phase: Phase, at: float | None = None) -> None:
 
 
 def process_start_time() -> float:
-    """When this process began, from the kernel (Linux: its start in clock ticks after
-    boot, against the time since boot now), else when this module was imported."""
+    """When this process began (Linux: /proc), else when this module was imported."""
     try:
         with open(f"/proc/{os.getpid()}/stat", encoding="ascii") as handle:
             fields = handle.read().rsplit(")", 1)[1].split()
@@ -64,9 +57,8 @@ def process_start_time() -> float:
 
 
 def timeline(previous: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """This start's phases in order, each with ``at`` and ``duration_s`` (from the phase
-    before it). ``previous`` is the previous start's cause (recovery.attempts.cause): its
-    failure and the end of its last rank come first."""
+    """This start's phases in order, each with ``at`` and ``duration_s``; ``previous`` (the
+    previous start's ``recovery.attempts.cause``) adds its failure and its last rank's end."""
     marks = dict(_marks)
     marks.setdefault(Phase.process_started, process_start_time())
     if previous is not None and previous.get("failed_at"):
@@ -74,9 +66,7 @@ def timeline(previous: dict[str, Any] | None) -> list[dict[str, Any]]:
         if previous.get("stopped_at"):
             marks[Phase.workers_stopped] = max(previous["stopped_at"], previous["failed_at"])
     rows, before = [], None
-    for phase in ORDER:
-        if phase not in marks:
-            continue
+    for phase in [p for p in ORDER if p in marks]:
         at = marks[phase]
         rows.append({"phase": phase.value, "at": round(at, 3),
                      "duration_s": round(at - before, 3) if before is not None else None})

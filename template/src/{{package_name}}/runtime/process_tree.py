@@ -1,7 +1,6 @@
 """A process and all its descendants: found through /proc (``ps`` elsewhere), killed at once.
 
-The drill loses a run the way a machine is lost: every process of it SIGKILLed at the
-same moment, torchrun's workers and their checkpoint writers included.
+The drill loses a run as a machine is lost: every process of it SIGKILLed at one moment.
 """
 
 from __future__ import annotations
@@ -71,7 +70,6 @@ def command_of(pid: int) -> str:
 
 
 def process_tree(root: int) -> list[int]:
-    """``root`` and all its descendants."""
     below: dict[int, list[int]] = {}
     for pid, ppid in _parents().items():
         below.setdefault(ppid, []).append(pid)
@@ -91,13 +89,8 @@ def _signal(pid: int, sig: signal.Signals) -> None:
 
 
 def kill_tree(root: int) -> int:
-    """SIGKILL ``root`` and every descendant at once, as losing the machine would.
-
-    Killing torchrun's process group is not enough: torchrun starts each worker in a
-    session of its own, and DCP's background writer hangs below each worker. Everyone
-    is frozen first (SIGSTOP), so that nobody reacts to a death or forks while the tree
-    is walked; the walk repeats until it finds no one new. Returns how many were killed.
-    """
+    """SIGKILL ``root`` and every descendant (workers have sessions of their own: a process
+    group is not enough), all frozen first (SIGSTOP) so none reacts or forks; how many."""
     frozen: set[int] = set()
     while new := [pid for pid in process_tree(root) if pid not in frozen]:
         for pid in new:

@@ -1,10 +1,7 @@
 """Every difference between the torch releases this project runs on, in one place.
 
-No other module reads torch's version or asks which release it runs on: each difference
-is answered here, by behaviour wherever a build can carry a fix its version number does
-not show (NGC builds are named after the next release and hold patches from after the
-last one). The releases, each difference and what the harness does about it (the floor,
-the stager, torchrun's flags): docs/EXTENDING.md, "Torch releases".
+Each is answered by behaviour wherever a build can carry a fix its version does not show
+(NGC builds). The releases and differences: docs/EXTENDING.md, "Torch releases".
 """
 
 from __future__ import annotations
@@ -14,8 +11,7 @@ import re
 
 import torch
 
-# The oldest release this project runs on. pyproject.toml states it as torch>=2.9.0a0 so
-# that pre-release builds of 2.9 (NGC 25.09: 2.9.0a0) are admitted; a test checks both.
+# The oldest release; pyproject.toml's torch>=2.9.0a0 admits NGC's 2.9.0a0 (a test checks).
 MIN_TORCH = (2, 9)
 
 SHUTDOWN_TIMEOUT_FLAG = "--shutdown-timeout"
@@ -27,8 +23,7 @@ def release(version: str) -> tuple[int, int, int]:
     match = re.match(r"\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)
     if match is None:
         return (0, 0, 0)
-    major, minor, micro = (int(part or 0) for part in match.groups())
-    return (major, minor, micro)
+    return tuple(int(part or 0) for part in match.groups())
 
 
 def torch_too_old(version: str = torch.__version__) -> str | None:
@@ -42,12 +37,8 @@ def torch_too_old(version: str = torch.__version__) -> str | None:
 
 @functools.cache
 def stager_closes_after_each_stage() -> bool:
-    """Whether DCP's ``DefaultStager`` closes its state-dict stager after every stage
-    (2.11, 2.12.0): the next stage through the same stager then raises ``KeyError``.
-
-    Asked once per process, by staging a tiny dict twice through one stager with every
-    option off (no pinned or shared memory, no thread): about a millisecond.
-    """
+    """Whether DCP's ``DefaultStager`` closes its state-dict stager after every stage (2.11,
+    2.12.0): a tiny dict staged twice, once per process (about a millisecond)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     stager = DefaultStager(StagingOptions(False, False, False, False))
@@ -71,21 +62,13 @@ def _torchrun_options() -> dict[str, bool]:
 
 
 def torchrun_takes(flag: str) -> bool:
-    """Whether this torch's torchrun knows ``flag``, read from its own argument parser (so
-    a build that carries a flag before its release is seen): ``--signals-to-handle``
-    from 2.10, ``--shutdown-timeout`` from 2.12."""
+    """Whether this torchrun's own parser knows ``flag`` (``--signals-to-handle`` from 2.10,
+    ``--shutdown-timeout`` from 2.12, or a build that carries it earlier)."""
     return flag in _torchrun_options()
 
 
 def torchrun_arguments(argv: list[str]) -> list[str]:
-    """torchrun's arguments as this torch takes them, in the process that runs torchrun.
-
-    A flag this torchrun does not know is taken out and done here instead:
-    ``--signals-to-handle``: torchrun's own handler is installed for each signal it
-    names (torchrun then stops its workers with that signal, as it does on SIGTERM);
-    ``--shutdown-timeout``: torchrun's process context waits that long for its workers
-    after forwarding a signal, before it kills them (without it: a fixed 30 s).
-    """
+    """torchrun's arguments as this torch takes them; a flag it lacks is done here instead."""
     kept = list(argv)
     if not torchrun_takes(SIGNALS_FLAG):
         kept, names = _take_option(kept, SIGNALS_FLAG)
@@ -99,8 +82,7 @@ def torchrun_arguments(argv: list[str]) -> list[str]:
 
 
 def _take_option(argv: list[str], flag: str) -> tuple[list[str], str | None]:
-    """``argv`` without ``flag VALUE`` / ``flag=VALUE`` among torchrun's own options (those
-    before the training script or module), and the value."""
+    """``argv`` without ``flag VALUE`` / ``flag=VALUE`` among torchrun's options; the value."""
     names = {flag, "--" + flag[2:].replace("-", "_")}   # torchrun takes both spellings
     takes_value = _torchrun_options()
     kept: list[str] = []
@@ -125,8 +107,7 @@ def _take_option(argv: list[str], flag: str) -> tuple[list[str], str | None]:
 
 
 def _handle_signals(names: list[str]) -> None:
-    """What ``--signals-to-handle`` does from 2.10: each signal raises torchrun's
-    ``SignalException`` in its main thread, which stops the workers with that signal."""
+    """What ``--signals-to-handle`` does from 2.10: torchrun's own handler for each signal."""
     import signal
 
     from torch.distributed.elastic.multiprocessing import api
@@ -136,8 +117,7 @@ def _handle_signals(names: list[str]) -> None:
 
 
 def _hold_workers_after_signal(timeout_s: int) -> None:
-    """torchrun's process context waits ``timeout_s`` (not 30 s) for the workers after it
-    forwarded a signal, before it kills them (torch before 2.12)."""
+    """torchrun waits ``timeout_s`` (not 30 s) for the workers after a signal (before 2.12)."""
     from torch.distributed.elastic.multiprocessing import api
 
     close = api.PContext.close

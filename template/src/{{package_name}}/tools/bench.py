@@ -4,13 +4,9 @@
     torchrun --nproc-per-node 2 -m <package>.bench --train-steps 50 [--interval 10]
     python -m <package>.bench --restart [--repeats 5] [--nproc 2]
 
-Every figure is a median over ``--repeats``, on this configuration's real model and
-optimizer state, with the same bytes, measured in order in the same run (so a busy
-machine moves them alike); what each figure measures and the ratios aimed at are in
-docs/PERFORMANCE.md. ``--train-steps N`` compares the throughput without and with
-checkpointing every ``--interval`` steps; ``--restart`` (python, not torchrun) times
-restarts of real jobs, phase by phase (``bench_restart.py``). The loop and the text are
-in ``bench_loop.py`` and ``bench_report.py``.
+Medians over ``--repeats`` on this configuration's real state, all measured in one run (a
+busy machine moves them alike); each figure and the target ratios: docs/PERFORMANCE.md. The
+loop, the text and ``--restart``: bench_loop.py, bench_report.py, bench_restart.py.
 """
 
 from __future__ import annotations
@@ -66,8 +62,7 @@ from .bench_report import fmt, ratios, report_text, throughput_text
 
 
 class PlainDcpPlanner(TrainingStatePlanner):
-    """A plain ``dcp.save``'s planner: a class of its own, so that its cached plan and its
-    cache-hit count stay apart from the project's saves of the same state."""
+    """A plain ``dcp.save``'s planner: its own class keeps its plan cache and hit count apart."""
 
     cache_hits = 0
 
@@ -109,7 +104,6 @@ def _read_file(path: Path, buffer: bytearray) -> int:
             total += got
 
 
-# ---------------------------------------------------------------------- main --
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=f"torchrun --nproc-per-node N -m {PACKAGE}.bench",
@@ -149,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         raise Refused(exc) from exc
-    too_old = torch_too_old()
-    if too_old is not None:   # runtime/torch_compat.py, MIN_TORCH
+    if (too_old := torch_too_old()) is not None:   # runtime/torch_compat.py, MIN_TORCH
         raise Refused(too_old)
     if args.restart:
         return bench_restart.main(cfg, args.overrides, repeats=args.repeats, nproc=args.nproc,
@@ -228,7 +221,6 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
             timings[name].append(timed(lambda i=i: fn(i)))
         say(f"  {name:<15} median {statistics.median(timings[name]):.3f} s")
 
-    # -- the floors: a host copy, a parallel write ---------------------------------
     on_gpu = runtime.device.type == "cuda"
     buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu) for t in tensors]
     if not on_gpu and mode == AsyncMode.process:
@@ -253,7 +245,6 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
 
     measure("disk_bound", disk_bound)
 
-    # -- the common ways -----------------------------------------------------------
     def baseline(i: int) -> None:
         full_model, full_optim = get_state_dict(
             model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -271,7 +262,6 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
     measure("dcp_sync", dcp_sync)
     cache_hits = PlainDcpPlanner.cache_hits
 
-    # -- this project's saves --------------------------------------------------------
     timings["async_blocking"], timings["async_commit"] = [], []
     first: dict[str, float] = {}
     for i in range(args.repeats + 1):  # the first save of the run, then the timed ones
@@ -291,7 +281,6 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
     for name in ("async_blocking", "async_commit"):
         say(f"  {name:<15} median {statistics.median(timings[name] or [0]):.3f} s")
 
-    # -- loading -----------------------------------------------------------------------
     checkpoint = decide_on_rank0(pipeline.newest)
     files = sorted(Path(checkpoint.path).iterdir())
     own = [Path(checkpoint.path) / f"__{runtime.rank}_0.distcp", Path(checkpoint.path) / ".metadata"]
@@ -330,7 +319,6 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
     measure("baseline_load", baseline_load, before=(
         (lambda _: _drop_from_page_cache([baseline_file])) if runtime.is_main else None))
 
-    # -- the memory tier (when rendered: the copier answer memory_tier) -------------
     memory = {"held_bytes": None, "nodes": None}
     if parts.rendered(parts.MEMORY_TIER):
         from .bench_memory import measure_memory
@@ -341,7 +329,6 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
     else:
         say("  memory tier     not rendered (copier answer memory_tier): not measured")
 
-    # -- in a training loop ------------------------------------------------------------
     commit_s = decide_on_rank0(lambda: statistics.median(timings["async_commit"]))
     loop_figures = measure_stall(bench, args.repeats + 1, commit_s)
     timings["stall"] = [loop_figures["stall"]] if loop_figures["stall"] is not None else []

@@ -1,11 +1,7 @@
 """The training the benchmark measures: the project's own trainer and checkpointer.
 
-``build_trainer`` builds a real ``loop.trainer.Trainer`` (the task's model, optimizer and
-data, wrapped as training wraps them) with a real ``Checkpointer`` on the benchmark's
-scratch directory, and trains one step so that the optimizer state exists. The loops
-below call the trainer's own ``train_step`` and the checkpointer's ``save`` at each step
-boundary (the stop vote included): the figures hold for training as it runs, not for a
-copy of it.
+A real ``Trainer`` and ``Checkpointer`` on the scratch directory, driven step by step as
+training drives them (the stop vote included), so the figures hold for training as it runs.
 """
 
 from __future__ import annotations
@@ -47,9 +43,8 @@ def bench_config(cfg: Config, root: Path) -> Config:
 
 
 def build_trainer(cfg: Config, task: Task, runtime: Runtime) -> Bench:
-    """The trainer and checkpointer of this configuration after one optimizer step (so
-    that the optimizer state exists). No signal is ever asked for: the stop vote runs at
-    every boundary, as in training, and always says go on."""
+    """Trainer and checkpointer after one step (so the optimizer state exists); the stop
+    vote runs at every boundary, as in training, and always says go on."""
     metrics = MetricsLog(None)
     grace = cfg.preemption.grace_period_s
     stop = StopCoordinator(PreemptionWatch(cfg.preemption.signals), runtime, grace)
@@ -64,10 +59,8 @@ def build_trainer(cfg: Config, task: Task, runtime: Runtime) -> Bench:
 
 
 def run_steps(bench: Bench, first: int, count: int) -> list[tuple[float, str]]:
-    """Train ``count`` steps numbered from ``first``; time each from the end of the step
-    before: the checkpointer's turn after that step (commit, vote, maybe a save), then
-    this step, whose forward and backward pass overlap the staging copy of a save just
-    started. Returns (seconds, "save" | "in_flight" | "clean") per step."""
+    """Train ``count`` steps from ``first``, each timed from the end of the step before (the
+    checkpointer's turn included); (seconds, "save" | "in_flight" | "clean") per step."""
     trainer, checkpointer = bench.trainer, bench.checkpointer
     trainer.progress.step = first - 1
     steps = []
@@ -82,12 +75,8 @@ def run_steps(bench: Bench, first: int, count: int) -> list[tuple[float, str]]:
 
 
 def measure_stall(bench: Bench, saves: int, commit_s: float) -> dict[str, Any]:
-    """Steps that start a save against steps with no save in flight, in one loop.
-
-    The interval leaves each save time to commit before the next is due (from the
-    measured commit time and step time), so a save-starting step holds the save's own
-    cost, not a wait for the previous one, and some steps run with no save in flight.
-    """
+    """Steps that start a save against steps with no save in flight, in one loop; the
+    interval lets each save commit before the next is due, so no step waits on the last."""
     checkpointer = bench.checkpointer
     checkpointer.set_interval(NEVER)
     warm = run_steps(bench, 2, 3)
@@ -99,9 +88,8 @@ def measure_stall(bench: Bench, saves: int, commit_s: float) -> dict[str, Any]:
     checkpointer.set_interval(NEVER)
     checkpointer.wait_for_save()
     if decide_on_rank0(lambda: not any(kind == "clean" for _, kind in steps)):
-        # A machine so busy that every save was still in flight at the next step: the
-        # steps with none in flight come after the last, in the same loop (every rank
-        # trains them: rank 0's figures decide).
+        # Every save still in flight at the next step (a busy machine): the clean steps
+        # come after the last save, in the same loop (rank 0's figures decide).
         steps += run_steps(bench, interval * (saves + 1) + 1, max(3, saves))
     kinds = {kind: [s for s, k in steps if k == kind] for kind in ("save", "in_flight", "clean")}
     med = {kind: statistics.median(v) if v else None for kind, v in kinds.items()}
@@ -111,11 +99,9 @@ def measure_stall(bench: Bench, saves: int, commit_s: float) -> dict[str, Any]:
             "failed_saves": checkpointer.failed_saves}
 
 
-# ----------------------------------------------------------------- throughput --
 def measure_throughput(bench: Bench, steps: int, interval: int, repeats: int,
                        tokens_per_sample: int | None) -> dict[str, Any]:
-    """The same number of steps without and with checkpointing, alternately; the ratio
-    of the median throughputs."""
+    """The same steps without and with checkpointing, alternately; the median throughputs."""
     checkpointer, split = bench.checkpointer, bench.trainer.split
     rates: dict[str, list[float]] = {"without": [], "with": []}
     checkpointer.set_interval(NEVER)
@@ -123,8 +109,7 @@ def measure_throughput(bench: Bench, steps: int, interval: int, repeats: int,
     base = interval * 10
     saves_before = checkpointer.failed_saves
     for repeat in range(repeats):
-        # without, with, with, without, ...: a machine getting busier or quieter over
-        # the run moves both figures alike.
+        # without, with, with, without, ...: a machine's load changing moves both alike.
         for kind in ("without", "with") if repeat % 2 == 0 else ("with", "without"):
             checkpointer.set_interval(interval if kind == "with" else NEVER)
             # The first save comes half an interval in, so the phase holds whole saves.

@@ -2,15 +2,11 @@
 
     python -m <package>.bench --restart [--repeats 5] [--nproc N] [--json] [key=value ...]
 
-Each repeat runs this project's own ``resume`` in a scratch directory, warm
-(``recovery.warm_start=true``) and cold in turn, and times two restarts: a stopped job
-resumed on the checkpoints of the repeat before (the first repeat trains to its first
-commit), launch to first step; and a worker (rank 1, or rank 0 alone) killed with
-SIGKILL once training is past a commit, kill to the first new step. Then it stops the
-job with SIGTERM. It prints the medians over ``--repeats``, the median of every phase
-and the load average before and after (docs/RECOVERY.md, "Where the seconds of a
-restart go"). A figure, not a timed test. Exit status 0, 1 when a start did not reach
-its first step in time (the scratch logs say why), 2 bad input.
+Each repeat runs the project's ``resume`` in a scratch directory, warm and cold in turn,
+and times a stopped job resumed (launch to first step) and a worker killed with SIGKILL
+past a commit (kill to the first new step); medians and phases: docs/RECOVERY.md, "Where
+the seconds of a restart go". Exit status 0, 1 a start did not reach its first step in
+time (the scratch logs say why), 2 bad input.
 """
 
 from __future__ import annotations
@@ -50,9 +46,8 @@ MODES = ("warm", "cold")   # recovery.warm_start=true, then false, in each repea
 
 def run(cfg: Config, overrides: list[str], *, repeats: int, nproc: int, scratch: Path,
         say=print) -> dict[str, Any]:
-    """The restart figures of this configuration, warm and cold starts measured in turn in
-    each repeat: ``repeats`` stopped-job resumes and worker kills of each, their medians
-    and their phases' medians. The warm figures keep the report's top-level keys."""
+    """``repeats`` stopped-job resumes and worker kills, warm and cold in turn, with their
+    medians and phases' medians; the warm figures keep the report's top-level keys."""
     load_before = os.getloadavg()
     samples: dict[str, dict[str, list[dict[str, Any]]]] = {
         mode: {"resumes": [], "kills": []} for mode in MODES}
@@ -81,12 +76,10 @@ def run(cfg: Config, overrides: list[str], *, repeats: int, nproc: int, scratch:
 
 def _cycle(overrides: list[str], nproc: int, scratch: Path, cycle: int, *,
            warm: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """One job: launched (on the checkpoints of the cycle before), a worker killed once a
-    checkpoint committed, stopped. The resume's figure (None on the first cycle, which
-    starts from nothing) and the kill's."""
+    """One job launched on the last cycle's checkpoints, a worker killed past a commit,
+    stopped: the resume's figure (None on cycle 0, which starts from nothing), the kill's."""
     ckpt, logs = scratch / "checkpoints", scratch / "logs"
-    # A checkpoint soon (yours if you set checkpoint.interval_steps), no trackers; the
-    # scratch directories and an end that never comes are the benchmark's.
+    # A checkpoint soon and no trackers, unless overridden; scratch dirs and no end are ours.
     args = [f"checkpoint.interval_steps={INTERVAL_STEPS}", "log.trackers=[]", *overrides,
             f"recovery.warm_start={str(warm).lower()}",
             f"checkpoint.dir={ckpt}", f"log.dir={logs}", "train.max_steps=100000000"]
@@ -141,7 +134,6 @@ def text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------- pieces --
 def _launch(nproc: int, args: list[str], log: Path) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
@@ -201,8 +193,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _figure(events: list[dict[str, Any]], began: float, origin: str) -> dict[str, Any]:
-    """Seconds from ``began`` to the first step, and each phase's seconds (the first
-    measured from ``began`` when it came after it)."""
+    """Seconds from ``began`` to the first step, and each phase's (the first from ``began``)."""
     rows = sorted(events, key=lambda e: ORDER.index(Phase(e["phase"])))
     phases, before = {}, None
     for row in rows:
@@ -220,9 +211,7 @@ def _median(values: list[float]) -> float | None:
 
 
 def _median_phases(figures: list[dict[str, Any]]) -> dict[str, float | None]:
-    names: list[str] = []
-    for figure in figures:
-        names += [n for n in figure["phases"] if n not in names]
+    names = dict.fromkeys(n for figure in figures for n in figure["phases"])
     return {name: _median([f["phases"][name] for f in figures if name in f["phases"]])
             for name in names}
 

@@ -3,13 +3,10 @@
     python -m <package>.drill --save-ranks N --resume-ranks M --out DIR [--steps S]
                               [--interrupt-at K] [--config PATH] [key=value ...]
 
-The command line and its checks, and the durable drill's four phases (reference,
-interrupted, resume, compare); docs/RESUMING.md, "The interruption drill", says what
-each does and how to read the report. The runs are started by drill_runs.py and judged
-by drill_report.py. Several nodes (``--save-nodes``, ``--kill node``) and ``--tier
-memory`` are optional parts, in drill_nodes.py and drill_memory.py where rendered
-(docs/RECOVERY.md, "Losing a node" and "The memory tier"); without them they are refused
-naming the copier answer that adds them.
+The command line, its checks and the durable drill's four phases (docs/RESUMING.md, "The
+interruption drill"); runs started by drill_runs.py, judged by drill_report.py. Several
+nodes (``--save-nodes``, ``--kill node``) and ``--tier memory`` are optional parts
+(drill_nodes.py, drill_memory.py), refused naming their copier answer when not rendered.
 Exit status: 0 passed, 1 failed, 2 refused (bad arguments; nothing ran).
 """
 
@@ -49,8 +46,8 @@ from .drill_runs import (
 )
 
 DEFAULT_STEPS = 24
-# The default save interval is the largest divisor of K up to this, so that a few
-# checkpoints commit (and old ones are retired) before the one the run resumes from.
+# Default interval: the largest divisor of K up to this, so a few checkpoints commit (and
+# old ones retire) before the one the run resumes from.
 MAX_DEFAULT_INTERVAL = 4
 MARKER = ".drill"
 # With the memory tier's runs (tools/drill_memory.py, rendered with memory_tier).
@@ -58,10 +55,8 @@ OUTPUTS = ("reference", "interrupted", "report.json", "report.md", "loss.png",
            "worker", "node", "job")
 
 
-# ------------------------------------------------------------------- phases --
 def run_and_kill(drill: Drill, commands: list[list[str]], name: str) -> dict:
-    """Start the run (one command per node) and SIGKILL every node's process tree once
-    step K is committed and passed."""
+    """Start the run (a command per node); SIGKILL it all once step K is committed and passed."""
     base = drill.out / name
     logs = output_logs(base, len(commands))
     tail = EventTail(base / "logs")
@@ -75,8 +70,7 @@ def run_and_kill(drill: Drill, commands: list[list[str]], name: str) -> dict:
 def run_drill(drill: Drill) -> dict:
     n, m, s, k = drill.save_ranks, drill.resume_ranks, drill.steps, drill.interrupt_at
     drill.say(f"drill: {n} rank(s) save, {m} rank(s) resume; {s} steps, killed after the "
-              f"checkpoint of step {k} (checkpoints every {drill.interval}); output in "
-              f"{drill.out}")
+              f"checkpoint of step {k} (checkpoints every {drill.interval}); output in {drill.out}")
     # Several nodes are the multi-node drill's (prepare checked that it is rendered).
     nodes = import_module(".drill_nodes", __package__) if drill.save_nodes > 1 else None
     interrupted = (nodes.commands(drill, "interrupted") if nodes else
@@ -106,17 +100,15 @@ def run_drill(drill: Drill) -> dict:
                              facts=nodes.markdown_facts if kill["node_loss"] else None)
 
 
-# ------------------------------------------------------------- command line --
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=f"python -m {PACKAGE}.drill",
         description="Interruption rehearsal: run, kill -9 the whole job after a checkpoint, "
                     "resume on another (or the same) number of ranks, and compare every "
                     "step with an uninterrupted run.",
-        epilog=f"Writes DIR/report.json, DIR/report.md and DIR/loss.png. A re-run into the "
-               f"same DIR replaces what an earlier drill wrote there ({', '.join(OUTPUTS)}); "
-               "a non-empty DIR that no drill made is refused. Exit status: 0 passed, "
-               "1 failed, 2 refused.",
+        epilog="Writes DIR/report.json, DIR/report.md and DIR/loss.png. A re-run into the same DIR "
+               f"replaces what an earlier drill wrote there ({', '.join(OUTPUTS)}); a non-empty "
+               "DIR that no drill made is refused. Exit status: 0 passed, 1 failed, 2 refused.",
     )
     parser.add_argument("--save-ranks", type=positive_int, required=True, metavar="N",
                         help="ranks of the reference and the interrupted run")
@@ -127,11 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "this machine with N/D ranks (default 1)")
     parser.add_argument("--tier", choices=("durable", "memory"), default="durable",
                         help="durable (the default): one loss, resumed from durable storage; "
-                             "memory: the memory tier's three losses (a worker, a node, the "
-                             "job), each against the uninterrupted run (needs an even N >= 2 "
-                             "and M = N; --interrupt-at K is the durable interval, default "
-                             "S/3; memory copies every checkpoint.memory_interval_steps, "
-                             "default 1)")
+                             "memory: the memory tier's three losses (a worker, a node, the job), "
+                             "each against the uninterrupted run (needs an even N >= 2 and M = N; "
+                             "--interrupt-at K is the durable interval, default S/3; memory copies "
+                             "every checkpoint.memory_interval_steps, default 1)")
     parser.add_argument("--kill", choices=("job", "node"), default="job",
                         help="what is lost: every process of the run (job, the default) or "
                              "one node's (node; needs --save-nodes 2 or more)")

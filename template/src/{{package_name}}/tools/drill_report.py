@@ -1,8 +1,7 @@
 """What the interruption drill measured, and the verdict: report.json, report.md, loss.png.
 
-Everything here is read back from the runs' ``metrics.jsonl`` files, so the comparison
-does not depend on how the runs were started. docs/RESUMING.md, "Reading the report",
-says what each field means.
+All read back from the runs' ``metrics.jsonl``, however the runs were started; each field:
+docs/RESUMING.md, "Reading the report".
 """
 
 from __future__ import annotations
@@ -19,9 +18,8 @@ from typing import Any
 
 from ..runtime.metrics import Event, read_events
 
-# Runs on another world size add gradients in another order (float rounding, about 1e-7
-# relative here); a wrong data position, learning-rate step or optimizer state moves the
-# loss by 1e-3 or more. 1e-4 sits between the two.
+# Another world size sums gradients in another order (about 1e-7 relative); a wrong data
+# position, learning-rate step or optimizer state moves the loss by 1e-3 or more.
 RESHARD_REL_TOL = 1e-4
 
 
@@ -52,10 +50,9 @@ class Run:
 def split_runs(log_dir: Path) -> list[Run]:
     """The runs that appended to ``log_dir/metrics.jsonl``, in order (one per start event).
 
-    A start that trained no step where the run before it ended is left out: a worker can
-    abort in torch's own teardown after its last step (seen on torch 2.11: "terminate
-    called without an active exception" at exit), torchrun then restarts the workers in
-    place, and they find the run finished. That restart is not a run of its own.
+    A start that trained no step where the run before ended is left out: torchrun's
+    restart after a worker aborted in torch's teardown (torch 2.11: "terminate called
+    without an active exception") finds the run finished and is no run of its own.
     """
     runs: list[Run] = []
     for event in read_events(log_dir, Event.start, Event.step)[0]:
@@ -122,17 +119,15 @@ def _span(steps: list[int]) -> str:
     return f"{steps[0]}-{steps[-1]}" if steps else "none"
 
 
-# ---------------------------------------------------------------- the report --
 def build(drill, kill: dict[str, Any],
           facts: Callable[[dict[str, str], dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Compare the runs of a finished drill and write report.json, report.md and loss.png;
-    ``facts`` adds to report.md's table (a node loss: drill_nodes.markdown_facts)."""
+    """Compare a finished drill's runs, write report.json, report.md and loss.png; ``facts``
+    adds rows to report.md's table (a node loss: drill_nodes.markdown_facts)."""
     reference_runs = split_runs(drill.out / "reference" / "logs")
     runs = split_runs(drill.out / "interrupted" / "logs")
     if len(reference_runs) != 1 or len(runs) != 2:
-        return failure(drill, f"expected one reference run and two runs in interrupted/ "
-                              f"(before and after the kill), found {len(reference_runs)} "
-                              f"and {len(runs)}")
+        return failure(drill, "expected one reference run and two runs in interrupted/ (before and "
+                              f"after the kill), found {len(reference_runs)} and {len(runs)}")
     reference, (before, after) = reference_runs[0], runs
     resumed_from = int(after.start["step"])
     loss = kill.get("node_loss")
@@ -146,8 +141,8 @@ def build(drill, kill: dict[str, Any],
     passed, verdict = judge(diffs, same_world=same_world,
                             expected_steps=list(range(resumed_from + 1, drill.steps + 1)),
                             problems=problems)
-    # The run before the kill repeats the reference exactly: if it does not, this machine
-    # is not deterministic and a same-world-size difference is not the resume's fault.
+    # The run before the kill differs from the reference only on a nondeterministic machine,
+    # and then a same-world-size difference is not the resume's fault.
     determinism = compare(reference.steps, before.steps)
     if not passed and same_world and determinism["max_abs_loss_diff"]:
         verdict += ("; the two runs already differed before the kill (max "
@@ -155,9 +150,8 @@ def build(drill, kill: dict[str, Any],
                     "not deterministic")
     dropout = float(drill.cfg.model.get("dropout", 0) or 0)
     if not passed and not same_world and dropout > 0:
-        verdict += (f"; expected with model.dropout={dropout:g}: on another "
-                    "world size the random streams are reseeded, so the dropout masks differ. "
-                    "Drill with model.dropout=0")
+        verdict += (f"; expected with model.dropout={dropout:g}: on another world size the random "
+                    "streams are reseeded, so the dropout masks differ. Drill with model.dropout=0")
     first_after = after.steps.get(after.first_step) if after.steps else None
     report = {
         "passed": passed,
@@ -233,10 +227,9 @@ def render_markdown(r: dict[str, Any],
                             "processes: torchrun, workers, checkpoint writers",
         "resumed from": f"the checkpoint of step {r['resumed_from_step']} "
                         f"(steps redone: {r['steps_redone']})",
-        "gradient accumulation": f"{r['saved_grad_accum_steps']} on {r['save_world_size']} "
-                                 f"rank(s) → {r['resume_grad_accum_steps']} on "
-                                 f"{r['resume_world_size']} (global batch "
-                                 f"{r['global_batch_size']}, unchanged)",
+        "gradient accumulation": f"{r['saved_grad_accum_steps']} on {r['save_world_size']} rank(s) "
+                                 f"→ {r['resume_grad_accum_steps']} on {r['resume_world_size']} "
+                                 f"(global batch {r['global_batch_size']}, unchanged)",
         "resume time": f"{num(r['resume_seconds'], '.1f')} s from the kill to the first step "
                        f"after it ({num(r['resume_to_start_seconds'], '.1f')} s to the start)",
         "throughput (median)": f"{num(r['samples_per_s_before'], ',.1f')} samples/s before, "

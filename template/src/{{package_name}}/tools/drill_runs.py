@@ -1,9 +1,8 @@
 """The interruption drill's settings and the runs it starts, shared by its tiers.
 
-``Drill`` (what one drill runs, and the commands it runs), the config every drill run
-gets, and the bounded start, wait and kill of those runs. tools/drill.py (the command
-and the durable drill) and the optional drills (drill_nodes.py, drill_memory.py) build
-on this; the drill itself is described in docs/RESUMING.md, "The interruption drill".
+``Drill`` and its commands, the config every drill run gets, and the bounded start, wait
+and kill of the runs, for drill.py and the optional drills (docs/RESUMING.md, "The
+interruption drill").
 """
 
 from __future__ import annotations
@@ -26,9 +25,8 @@ from ..runtime.process_tree import kill_tree
 from . import drill_report
 from .drill_report import DrillError
 
-# Small enough that the three runs take about a minute on two CPU cores, for the default
-# task (applied only to keys its model: section has); the user's key=value overrides
-# come after these and win.
+# The three runs in about a minute on two CPU cores (default task; only keys its model:
+# section has); the user's key=value overrides come after and win.
 SMALL_MODEL = ("model.d_model=32", "model.n_layers=1")
 # The drill decides these itself; setting them would break the comparison.
 OWNED_KEYS = {"train.max_steps": "--steps", "checkpoint.dir": "--out", "log.dir": "--out"}
@@ -75,7 +73,6 @@ class Drill:
         print(f"[{time.monotonic() - self.started:6.1f} s] {message}", flush=True)
 
 
-# ------------------------------------------------------------------- config --
 def small_model(args: argparse.Namespace) -> list[str]:
     """The drill's small model, for the keys the task's model: section has."""
     own = load_config(args.config, args.overrides).model
@@ -96,26 +93,14 @@ def check_devices(cfg: Config, ranks: int) -> None:
                              "use fewer ranks or distributed.backend=gloo to drill on CPU")
 
 
-# --------------------------------------------------------------------- runs --
 def start(command: list[str], log_path: Path) -> subprocess.Popen:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # torchrun gives each worker one OpenMP thread when it starts several, but not when it
-    # starts one; the same setting everywhere keeps the throughput of N and M ranks
-    # comparable (and keeps a one-rank CPU run from oversubscribing the cores).
+    # torchrun sets one OpenMP thread per worker only for several workers: the same for
+    # one keeps N and M ranks' throughput comparable and a one-rank CPU run in its cores.
     env.setdefault("OMP_NUM_THREADS", "1")
     with open(log_path, "w", encoding="utf-8") as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-
-def _wait(proc: subprocess.Popen, timeout_s: float, what: str, log_path: Path) -> int:
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        proc.wait()
-        raise DrillError(f"{what} did not finish within {timeout_s:g} s (killed); "
-                         f"see {log_path}") from None
 
 
 def run_to_end(drill: Drill, command: list[str], log_path: Path, what: str) -> None:
@@ -125,7 +110,13 @@ def run_to_end(drill: Drill, command: list[str], log_path: Path, what: str) -> N
 def finish(proc: subprocess.Popen, timeout_s: float, what: str, log_path: Path) -> None:
     """Wait for a run that must end with exit status 0 (bounded)."""
     try:
-        code = _wait(proc, timeout_s, what, log_path)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            proc.wait()
+            raise DrillError(f"{what} did not finish within {timeout_s:g} s (killed); "
+                             f"see {log_path}") from None
     except BaseException:
         if proc.poll() is None:  # Ctrl-C or an error here: leave no training behind
             kill_tree(proc.pid)
@@ -135,15 +126,13 @@ def finish(proc: subprocess.Popen, timeout_s: float, what: str, log_path: Path) 
 
 
 def output_logs(base: Path, nodes: int) -> list[Path]:
-    """Where each node's output goes."""
     return ([base / "output.log"] if nodes == 1 else
             [base / f"node{node}-output.log" for node in range(nodes)])
 
 
 @contextmanager
 def running(commands: list[list[str]], logs: list[Path]) -> Iterator[list[subprocess.Popen]]:
-    """The runs of ``commands`` (one per node): all killed on an error or Ctrl-C, all
-    waited for on the way out."""
+    """The runs of ``commands`` (one per node): killed on an error or Ctrl-C, always waited for."""
     procs = [start(command, log) for command, log in zip(commands, logs)]
     try:
         yield procs

@@ -1,17 +1,14 @@
 """Export a checkpoint's model weights: a Hugging Face model directory or one torch.save file.
 
-    python -m <package>.export [CHECKPOINT] --format hf|torch --out DIR
-                               [--dtype fp32|bf16|fp16] [--max-shard-size 5GB]
-                               [--config PATH] [key=value ...]
+    python -m <package>.export [CHECKPOINT] [--best] --format hf|torch --out DIR
+        [--dtype fp32|bf16|fp16] [--max-shard-size 5GB] [--config PATH] [key=value ...]
 
-CHECKPOINT is a checkpoint directory; without it, the newest complete one. It runs on CPU
-in one process (DCP reassembles each tensor from the shards) and reads only the model's
-weights, one output file at a time. ``--format hf`` (``model.kind: hf`` runs) writes
-through DCP's ``HuggingFaceStorageWriter`` with the model section the checkpoint was
-trained with (commit.json; ``model.*`` overrides change it). What each format writes:
-docs/EXTENDING.md, "Train a Hugging Face model on your corpus". Exit status: 0 written,
-1 failed, 73 the storage could not be reached, 2 bad input (refused credentials, no
-checkpoint, bad arguments, a model configuration that does not match the checkpoint).
+On CPU in one process (DCP reassembles each tensor from the shards), reading only the
+model's weights, one output file at a time. ``--format hf`` (``model.kind: hf`` runs) uses
+the model section the checkpoint was trained with (commit.json; ``model.*`` overrides
+change it). What each format writes: docs/EXTENDING.md, "Train a Hugging Face model on
+your corpus". Exit status: 0 written, 1 failed, 73 the storage could not be reached, 2 bad
+input (refused credentials, no checkpoint, bad arguments, a model that does not match).
 """
 
 from __future__ import annotations
@@ -55,11 +52,9 @@ class ExportError(Exception):
     """Bad input; the message says what (exit status 2)."""
 
 
-# ------------------------------------------------------------------ checkpoint --
 def find_checkpoint(argument: str | None, checkpoint_dir: str,
                     best: BestRule | None = None) -> tuple[Storage, Committed]:
-    """The checkpoint named on the command line (it must be complete), the best one by
-    ``best`` (--best), or the newest."""
+    """The checkpoint named (it must be complete), the best by ``best`` (--best), or the newest."""
     if best is not None:
         if argument is not None:
             raise ExportError("give either CHECKPOINT or --best, not both")
@@ -96,11 +91,8 @@ def model_tensors(storage: Storage, checkpoint: Committed) -> dict[str, TensorSt
 
 def load_weights(storage: Storage, checkpoint: Committed,
                  wanted: dict[str, TensorStorageMetadata]) -> dict[str, torch.Tensor]:
-    """The full tensors of ``wanted``, reassembled from every rank's shard (no process group).
-
-    The checkpoint is read like training reads it: its metadata with the restricted
-    unpickler, nothing in it run as code (checkpoint/load/safe_load.py).
-    """
+    """The full tensors of ``wanted`` from every rank's shard (no process group), read as
+    training reads them: nothing in the checkpoint run as code (checkpoint/load/safe_load.py)."""
     state = {MODEL_PREFIX + name: torch.empty(meta.size, dtype=meta.properties.dtype)
              for name, meta in wanted.items()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
@@ -116,7 +108,6 @@ def load_weights(storage: Storage, checkpoint: Committed,
     return {key[len(MODEL_PREFIX):]: tensor for key, tensor in state.items()}
 
 
-# ---------------------------------------------------------------------- output --
 def parse_size(text: str) -> int:
     """'5GB', '500MB', '100KB', '4GiB' or a number of bytes."""
     match = _SIZE.match(text)
@@ -176,8 +167,8 @@ def write_safetensors(storage: Storage, checkpoint: Committed,
 
 
 def check_matches(config: Any, tensors: dict[str, TensorStorageMetadata]) -> str:
-    """The model class the configuration builds, after checking that its weights have the
-    checkpoint's names and shapes (built on the meta device: no memory, no time)."""
+    """The configured model's class, once its weights match the checkpoint's names and shapes
+    (built on the meta device: no memory, no time)."""
     transformers = transformers_module()
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
@@ -201,8 +192,7 @@ def _tied(model: Any, name: str) -> bool:
 
 
 def copy_tokenizer(run_config: dict[str, Any], out: Path) -> str | None:
-    """Copy the tokenizer the run's token data was made with, when it is a local directory
-    or tokenizer.json file; returns where it came from."""
+    """Copy the token data's local tokenizer (directory or tokenizer.json); returns its path."""
     data = run_config.get("data") or {}
     if data.get("kind") != "tokens" or not data.get("path"):
         return None
@@ -222,7 +212,6 @@ def copy_tokenizer(run_config: dict[str, Any], out: Path) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------ command line --
 def run_model_section(record: dict[str, Any], fallback: dict[str, Any],
                       overrides: list[str]) -> dict[str, Any]:
     """The checkpoint's own model section (commit.json), model.* overrides applied."""

@@ -1,11 +1,9 @@
 """Several nodes on this machine: one ``resume`` (a torchrun agent) per node.
 
-Each node is what a launch file starts on a machine of its own: ``python -m
-<package>.resume --nnodes N --rdzv-endpoint 127.0.0.1:PORT --rdzv-id ID`` with its share
-of the ranks, the agents meeting through torchrun's c10d rendezvous on the loopback
-address; node 0 hosts the rendezvous store (``--rdzv-conf is_host=1``), as the first
-node of a Slurm allocation or index 0 of a Kubernetes Indexed Job does. The multi-node
-drill (drill_nodes.py, rendered with multi_node_drill) and the tests start nodes so.
+Each is what a launch file starts on a machine of its own, the agents meeting through
+torchrun's c10d rendezvous on the loopback address; node 0 hosts the store (``--rdzv-conf
+is_host=1``) as a Slurm allocation's first node or a Kubernetes Indexed Job's index 0
+does. For the multi-node drill (drill_nodes.py, rendered with multi_node_drill) and tests.
 """
 
 from __future__ import annotations

@@ -2,13 +2,10 @@
 
     python -m <package>.memcheck [--sizes 200MB 2GB] [--steps 40] [--dir DIR] [key=value ...]
 
-For each size it writes a token directory of that many bytes of random tokens (the
-format prepare_data writes; under ``--dir``, a temporary directory by default, deleted
-afterwards), trains one process on it (``data.kind=tokens``, synchronous saves, the
-model of configs/train.yaml unless key=value says otherwise) and samples the training
-process's resident memory (``VmRSS`` in /proc, Linux) every 20 ms. It prints the peak of
-each run and the largest relative difference between them. Exit status: 0 within 10 %,
-1 otherwise, 2 bad arguments.
+For each size: random tokens in prepare_data's format (deleted afterwards), one training
+process on them (synchronous saves, configs/train.yaml's model unless key=value says
+otherwise), its ``VmRSS`` (/proc, Linux) sampled every 20 ms; prints each run's peak and
+the largest relative difference. Exit status: 0 within 10 %, 1 otherwise, 2 bad arguments.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The `plan` command: the checkpoint interval plan (interval/) on the command line, with
-what the interruption history measured (ledger/).
+what the interruption history measured (ledger/). Usage: python -m <package>.plan --help.
 
-    python -m <package>.plan --help
-
-Each input comes from its flag, else from what training measured (--metrics: T, δ
-and L), else from the config's `plan:` section, which config.load_config reads and
-checks like every other section (configs/train.yaml by default; key=value overrides
-as for training). The formulas are in interval.formulas; the text and the checklist's
-measured section in interval.report, the plot in interval.plot.
+Each input comes from its flag, else from what training measured (--metrics: T, δ, L),
+else from the config's checked `plan:` section (configs/train.yaml by default; key=value
+overrides as for training). Formulas: interval.formulas; text, checklist: interval.report.
 """
 
 from __future__ import annotations
@@ -88,10 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="assumed share of interruptions that are crashes, restarted in "
                              "place, rather than preemptions, rescheduled (0-1; default 0.5)")
     parser.add_argument("--node-loss-share", metavar="NU", **num,
-                        help="assumed share of interruptions that take one node, its memory "
-                             "with it, while the job's other machines stay: the memory tier's "
-                             "partner copy survives them (0-1, crash share + this <= 1; "
-                             "default 0.2)")
+                        help="assumed share of interruptions that take one node, its memory with "
+                             "it, while the job's other machines stay: the memory tier's partner "
+                             "copy survives them (0-1, crash share + this <= 1; default 0.2)")
     parser.add_argument("--memory-interval-steps", metavar="K", type=int, default=None,
                         help="memory tier: a copy in host memory and on a partner node every K "
                              "steps, 0 = off (default: checkpoint.memory_interval_steps of the "
@@ -172,28 +167,23 @@ def main(argv: list[str] | None = None) -> int:
     origins["in_place_restart_seconds"] = "--in-place-restart-seconds"
     # The memory tier at the configured intervals: checkpoint.memory_interval_steps (or
     # the flag) with the config's durable interval, or the recommended one without a config.
-    memory_steps, durable_steps = args.memory_interval_steps, None
+    # What the config planned with and its interval are shown beside the measurements.
+    memory_steps, configured, planned = args.memory_interval_steps, None, None
     origins["memory_interval_steps"] = "--memory-interval-steps"
     if config is not None:
-        durable_steps = config.checkpoint.interval_steps
+        configured, planned = config.checkpoint.interval_steps, configured_inputs(config)
         if memory_steps is None:
             memory_steps = config.checkpoint.memory_interval_steps
             origins["memory_interval_steps"] = (
                 f"checkpoint.memory_interval_steps in {config_path}")
     try:
         plan = make_plan(inputs, in_place)
-        two_tier = make_two_tier(plan, memory_steps or 0, durable_steps)
+        two_tier = make_two_tier(plan, memory_steps or 0, configured)
     except PlanInputError as exc:
         flag = (FLAGS[exc.field][0] if exc.field in FLAGS
                 else MEMORY_FLAGS.get(exc.field, f"--{exc.field.replace('_', '-')}"))
         parser.error(f"argument {flag}: {exc.message}"
                      + ("" if origins[exc.field] == flag else f" (from {origins[exc.field]})"))
-
-    # What the config planned with and its interval, shown beside the measurements.
-    planned = configured = None
-    if config is not None:
-        planned = configured_inputs(config)
-        configured = config.checkpoint.interval_steps
 
     if args.json:
         payload = to_json(plan)
@@ -237,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _from_history(args, config: Config | None, inputs: Inputs, in_place: float | None,
                   origins: dict[str, str], parser) -> tuple[Inputs, float | None]:
-    """The inputs with the history's measurements in place of the config's answers (a
-    flag given by hand still wins)."""
+    """The inputs with the history's measurements for the config's (a flag still wins)."""
     if config is None:
         parser.error("--from-history needs a config: the history is in its checkpoint.dir")
     try:
@@ -259,8 +248,7 @@ def _from_history(args, config: Config | None, inputs: Inputs, in_place: float |
 
 
 def _ledger_markdown(config: Config | None, lang: str) -> str:
-    """The goodput ledger for the checklist's measured section, or nothing when there is
-    no config or nothing is recorded yet."""
+    """The goodput ledger for the checklist's measured section ("" without config or records)."""
     if config is None:
         return ""
     try:

@@ -1,17 +1,13 @@
 """Tokenize text or JSONL files into the token directory that ``data.kind: tokens`` reads.
 
-    python -m <package>.prepare_data --input FILE [FILE ...] --tokenizer PATH|bytes
-                                     --out DIR [--workers N] [--text-key KEY]
-                                     [--separator TOKEN] [--dtype auto|uint16|uint32]
-                                     [--shard-tokens N]
+    python -m <package>.prepare_data --input FILE [FILE ...] --tokenizer PATH|bytes --out DIR
+        [--workers N] [--text-key KEY] [--separator TOKEN] [--dtype auto|uint16|uint32]
+        [--shard-tokens N]
 
 Documents, separators, ``--tokenizer bytes`` and the exit status (0 done; 2 bad input,
 nothing left in DIR): docs/EXTENDING.md, "Train a Hugging Face model on your corpus".
-Empty documents are skipped; order is kept whatever ``--workers``. A tokenizer PATH is a
-saved directory (``transformers.AutoTokenizer`` with a tokenizer_config.json, else its
-``tokenizer.json`` through ``tokenizers``), a ``tokenizer.json`` file or a cached hub
-name. Output: DIR/tokens_00000.bin, ... (a new file every ``--shard-tokens`` tokens),
-then DIR/index.json.
+Empty documents are skipped; order is kept whatever ``--workers``. Tokenizers: tokenizer.py.
+Output: DIR/tokens_00000.bin, ... (every ``--shard-tokens`` tokens), then DIR/index.json.
 """
 
 from __future__ import annotations
@@ -54,13 +50,11 @@ def _encode_in_worker(chunk: list[tuple[str, bool]]) -> list[np.ndarray]:
 
 def _encode(tokenizer: Tokenizer, chunk: list[tuple[str, bool]]) -> list[np.ndarray]:
     """Token arrays of a chunk's pieces, the separator after each piece that ends a document."""
-    out = []
-    for ids, (_, ends) in zip(tokenizer.encode([text for text, _ in chunk]), chunk):
-        out.append(np.append(ids, tokenizer.separator) if ends else ids)
-    return out
+    encoded = tokenizer.encode([text for text, _ in chunk])
+    return [np.append(ids, tokenizer.separator) if ends else ids
+            for ids, (_, ends) in zip(encoded, chunk)]
 
 
-# ------------------------------------------------------------------- documents --
 def _lines(path: Path) -> Iterator[tuple[int, str, int]]:
     """(line number, text, bytes) of each line; PrepareError for bytes that are not UTF-8."""
     try:
@@ -137,7 +131,6 @@ def chunks(paths: list[Path], text_key: str) -> Iterator[tuple[list[tuple[str, b
         yield chunk, consumed
 
 
-# ---------------------------------------------------------------------- output --
 class ShardWriter:
     """Appends tokens to DIR/tokens_NNNNN.bin, starting a new file every ``shard_tokens``."""
 
@@ -258,14 +251,12 @@ def _separator_name(tokenizer: Tokenizer) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------ command line --
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=f"python -m {PACKAGE}.prepare_data",
         description="Tokenize text or JSONL files into token files and an index for "
                     "data.kind=tokens.",
-        epilog="Then train with data.kind=tokens data.path=DIR. Exit status: 0 done, 2 bad "
-               "input.")
+        epilog="Then train with data.kind=tokens data.path=DIR. Exit status: 0 done, 2 bad input.")
     parser.add_argument("--input", nargs="+", required=True, type=Path, metavar="FILE",
                         help="text files (documents separated by blank lines) or .jsonl files")
     parser.add_argument("--tokenizer", required=True, metavar="PATH|bytes",

@@ -1,7 +1,8 @@
 """The tokenizers ``prepare_data`` encodes with: ``bytes`` (byte b is token b, 256 the
-separator), a ``tokenizer.json`` (the ``tokenizers`` library) or a saved or locally
-cached ``transformers`` tokenizer, each with the token that separates documents.
-Nothing is downloaded.
+separator), a ``tokenizer.json`` (the ``tokenizers`` library; also a directory's, unless it
+has a tokenizer_config.json and transformers is installed) or a saved or locally cached
+``transformers`` tokenizer, each with the token that separates documents. Nothing is
+downloaded.
 """
 
 from __future__ import annotations

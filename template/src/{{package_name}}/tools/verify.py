@@ -5,13 +5,12 @@
     python -m <package>.verify /mnt/old-run/checkpoints     every checkpoint in a directory
     python -m <package>.verify s3://bucket/run [--config PATH] [key=value ...]
 
-Each checkpoint is checked as a load would check it, and more (commit.json, sizes,
-CRC-32 checksums as ``checkpoint.verify`` says, a ``.metadata`` the restricted loader
-accepts), one table row each: docs/RESUMING.md, "Damaged bytes: checksums". Exit status:
-0 nothing failed (also with no checkpoint), 1 a checkpoint FAILED, 2 bad input
-(configuration, a path that does not exist or is not a checkpoint, refused credentials),
-73 the storage could not be reached for ``checkpoint.storage_retry_s`` (nothing judged:
-run again).
+Each checkpoint is checked as a load would check it, and more (commit.json, sizes, CRC-32
+checksums as ``checkpoint.verify`` says, a ``.metadata`` the restricted loader accepts), a
+table row each: docs/RESUMING.md, "Damaged bytes: checksums". Exit status: 0 nothing
+failed (or no checkpoint), 1 a checkpoint FAILED, 2 bad input (configuration, a missing
+path or not a checkpoint, refused credentials), 73 the storage was unreachable for
+``checkpoint.storage_retry_s`` (nothing judged: run again).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Does a checkpoint fit this run? Its model's names and shapes against this model's.
 
-Checked before loading, from DCP's metadata (read with the safe loader): a checkpoint of
-another model is refused with a short list of what differs, instead of a crash inside
-the load at every restart.
+Checked before loading, from DCP's metadata (read safely): a checkpoint of another model is
+refused with a short list of what differs, not a crash inside the load at every restart.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Reading a checkpoint for a load: each file once, front to back, checked as it is read.
 
-DCP's ``FileSystemReader`` seeks to each tensor's record and runs ``torch.load`` on it:
-small reads out of order on a cold file, a range request per tensor on an object store.
-This reader keeps DCP's planning, resharding and file format (the files stay readable by
-``FileSystemReader`` and ``dcp_to_torch_save``) and changes how the bytes arrive: one
-thread per file (up to ``READ_THREADS`` files) reads the records a rank needs in file
-order, at most ``AHEAD_BYTES`` (or one record) ahead of the loading thread, and checks
-each checksum block as it completes (``integrity.StreamCheck``); the loading thread
-deserialises each record from memory, one ``torch.load`` per tensor layout (``_Layouts``).
-A block that does not match raises ``ChecksumMismatch``; ``restore`` falls back to the
-checkpoint before. Records with DCP's stream transforms (never written here) are read by
-DCP's own code. Why, and the figures: docs/PERFORMANCE.md, "Loading and restarting, with
-the load's own reader"; the checks: docs/RESUMING.md, "Damaged bytes: checksums".
+Keeps DCP's planning, resharding and file format, but instead of a seek and ``torch.load``
+per tensor (a range request each on an object store), a thread per file (``READ_THREADS`` at
+once) reads the records a rank needs in file order, up to ``AHEAD_BYTES`` ahead, checking
+each block as it completes (``integrity.StreamCheck``); the loading thread deserialises them
+from memory (``_Layouts``). Records with DCP's stream transforms (never written here) go to
+DCP's own code. docs/PERFORMANCE.md, "Loading and restarting, with the load's own reader".
 """
 
 from __future__ import annotations
@@ -39,12 +33,8 @@ GAP_READ_BYTES = 8 << 20    # unneeded bytes inside a checked block are read in 
 
 
 class OneReadMixin:
-    """``read_metadata`` and ``read_data`` of a DCP reader, reading each file once.
-
-    Mixed into DCP's FileSystemReader (local files) or FsspecReader (object stores), for
-    their ``fs``, ``path`` and ``storage_data``. ``expected`` holds the checksums of the
-    checkpoint's commit.json (None: sizes were checked, contents are not).
-    """
+    """A DCP reader's ``read_metadata`` and ``read_data``, reading each file once; ``expected``:
+    commit.json's checksums (None: contents unchecked)."""
 
     expected: Expected | None = None
 
@@ -134,14 +124,12 @@ class OneReadMixin:
 
 
 def open_reader(storage: Storage, name: str, expected: Expected | None = None) -> FileSystemReader:
-    """The reader for checkpoint ``name`` of ``storage``: never DCP's plain reader (it
-    unpickles .metadata without restriction); this one reads each file once, as one
-    sequential stream (not a request per tensor), and checks ``expected`` (commit.json's
-    checksums) as it reads."""
+    """The reader for checkpoint ``name``: never DCP's plain one (it unpickles .metadata
+    unrestricted); each file read once, in sequence, checking ``expected`` as it reads."""
     if isinstance(storage, LocalStorage):
         reader = OneReadFileSystemReader(storage.path(name))
     else:
-        reader = one_read_fsspec_reader(storage.path(name))
+        reader = _fsspec_class()(storage.path(name))   # over DCP's fsspec reader
     reader.expected = expected
     return reader
 
@@ -150,13 +138,8 @@ class OneReadFileSystemReader(OneReadMixin, SafeFileSystemReader):
     """DCP's local-filesystem reader: restricted metadata, each file read once and checked."""
 
 
-def one_read_fsspec_reader(path: str) -> FileSystemReader:
-    """The same for object stores, over DCP's fsspec reader (fsspec is optional)."""
-    return _fsspec_class()(path)
-
-
 @cache
-def _fsspec_class() -> type:
+def _fsspec_class() -> type:   # fsspec is optional: built on first use
     return type("OneReadFsspecReader", (OneReadMixin, safe_fsspec_reader_class()), {})
 
 
@@ -183,18 +166,11 @@ def _load_record(items: list[ReadItem], data: bytearray, planner: LoadPlanner,
 
 
 class _Layouts:
-    """Tensors out of ``torch.save`` records, without a ``torch.load`` per record.
+    """Tensors out of ``torch.save`` records without a ``torch.load`` each (0.2 ms a record).
 
-    ``torch.load`` costs about 0.2 ms per record before it copies a byte (the zip
-    directory, the restricted unpickler): for the few hundred tensors of a rank, more than
-    reading them. A record is a zip whose pickle (the tensor's dtype, shape, strides) and
-    headers come before its data; records of tensors with the same layout have the same
-    bytes up to the data. So the first record of each layout is read with ``torch.load``
-    onto the meta device (the layout and, as ``_checkpoint_offset``, where the data
-    starts; no data read), and every record whose bytes up to there are the same is a
-    view of its own data with that layout. Anything unexpected is read by ``torch.load``
-    (weights only) as DCP reads it.
-    """
+    Records of one layout have the same bytes up to their data: the first of each is loaded
+    onto the meta device (its layout and ``_checkpoint_offset``), and any record matching it
+    up to there is a view of its own data. Anything unexpected goes to ``torch.load``."""
 
     def __init__(self) -> None:
         self._known: dict[int, list[tuple[bytes, Any]]] = {}   # record length -> layouts
@@ -287,13 +263,8 @@ def _name(path: Any) -> str:
 
 
 class _Pipe:
-    """A file's records on their way from its reading thread to the loading thread.
-
-    Holds at most AHEAD_BYTES (or one record); ``put`` waits for room, iterating waits
-    for the next record. Neither waits on its own forever: the other side always ends
-    (the reading thread at the end of its file, on an error or when cancelled; the
-    loading thread by cancelling in ``read_data``'s ``finally``).
-    """
+    """A file's records from its reading thread to the loading thread, at most AHEAD_BYTES (or
+    one record); neither side waits forever (the loading thread cancels in ``finally``)."""
 
     def __init__(self) -> None:
         self._records: deque[tuple[list[ReadItem], bytearray]] = deque()

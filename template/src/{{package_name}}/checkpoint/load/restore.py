@@ -1,13 +1,11 @@
 """Which checkpoint a start resumes from, and loading it: newest first, checked, with
 fallback to older ones.
 
-Rank 0 picks each candidate (it alone reads the listing and the commit records) and
-every rank loads the same one, checking the checksums of what it reads as it reads it
-(``reader.py``): the bytes are read once. A damaged checkpoint (a block that does not
-match its checksum) is skipped with a warning, as discovery always skipped it; one of
-another model is refused with what differs (exit status 2); one that fails to load for
-another reason (damage the checksums could not see, an unsafe ``.metadata``) is skipped
-for the one before it, unless ``checkpoint.strict_resume``.
+Rank 0 picks each candidate (it alone reads the listing and commit records); every rank
+loads it, checking the checksums as it reads (``reader.py``): the bytes are read once. A
+damaged checkpoint is skipped with a warning; one of another model is refused with what
+differs (exit status 2); one that fails otherwise (damage the checksums missed, an unsafe
+``.metadata``) is skipped for the one before it, unless ``checkpoint.strict_resume``.
 """
 
 from __future__ import annotations
@@ -63,11 +61,9 @@ class TrainingState(Protocol):
 
 def choose_and_load(storage: Storage, verify: str, training: TrainingState, cfg: Config,
                     runtime: Runtime, metrics: MetricsLog) -> Committed | None:
-    """Load the newest checkpoint of ``storage`` that loads into ``training``; None when
-    there is none. ``verify`` is ``checkpoint.verify``."""
+    """Load the newest checkpoint that loads into ``training`` and return it; None if none."""
     shapes = training.model_shapes()
-    # Complete checkpoints, newest first: the load checks their checksums as it reads
-    # them (load_checkpoint), so they are not read beforehand.
+    # Not read beforehand: the load checks their checksums as it reads (load_checkpoint).
     candidates = sized_newest_first(storage) if runtime.is_main else iter(())
     failures: list[str] = []
     while True:
@@ -124,8 +120,7 @@ def _next_candidate(storage: Storage, verify: str, candidates, shapes: dict, cfg
 
 def _load(storage: Storage, verify: str, checkpoint: Committed, training: TrainingState,
           runtime: Runtime, metrics: MetricsLog) -> tuple[str | None, bool]:
-    """Load one checkpoint into the training state; returns why it failed (or None) and
-    whether that is damage its checksums found."""
+    """Load one checkpoint: (why it failed or None, whether its checksums found damage)."""
     # RNG streams belong to ranks on one kind of device: they only carry over when
     # the ranks and the device kind do (a CPU save holds no CUDA generator state).
     saved_device = checkpoint.record.get("device_type", "cpu")
@@ -148,15 +143,8 @@ def _load(storage: Storage, verify: str, checkpoint: Committed, training: Traini
 
 def load_checkpoint(storage: Storage, state: dict[str, Any], checkpoint: Committed,
                     verify: str = "all") -> None:
-    """Load ``state`` (Stateful objects) in place from ``checkpoint``; DCP reshards to this
-    world size.
-
-    Nothing in the checkpoint runs as code: ``.metadata`` is unpickled with only DCP's
-    metadata classes allowed, non-tensor values load with ``weights_only=True``
-    (``safe_load``). Anything else raises UnsafeCheckpointError, on every rank alike.
-    The checksums are checked as the load reads the bytes (``reader.py``), unless
-    ``verify`` (checkpoint.verify) is none: a damaged block raises ChecksumMismatch.
-    """
+    """Load ``state`` in place from ``checkpoint``, resharded by DCP; nothing in it runs as
+    code (UnsafeCheckpointError on every rank), a damaged block raises ChecksumMismatch."""
     checksums = None if verify == "none" else expected(checkpoint.record)
     reader = open_reader(storage, checkpoint.name, checksums)
     try:
@@ -177,10 +165,8 @@ def load_checkpoint(storage: Storage, state: dict[str, Any], checkpoint: Committ
 
 @contextlib.contextmanager
 def _garbage_collection_paused():
-    """No full garbage collection in the middle of a load. A trainer holds a few hundred
-    thousand objects; the load's plans and records make enough new ones to start a full
-    collection, which took 0.2 to 0.3 s of a 0.3 s load on 2 CPU ranks (measured with
-    gc.callbacks). What the load leaves behind is freed by reference counting anyway."""
+    """No full garbage collection mid-load: over a trainer's objects it cost 0.2-0.3 s of a
+    0.3 s load (docs/PERFORMANCE.md); reference counting frees what the load leaves."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -1,17 +1,10 @@
 """Loading a checkpoint without running code from it.
 
-DCP's own loader trusts the checkpoint: ``.metadata`` is a pickle read with
-``pickle.load``, and every non-tensor value (the step counter, the scheduler's state)
-goes through ``torch.load(weights_only=False)``, so whoever can write to a checkpoint
-directory can run code in the training job. The readers and the planner here close
-both paths:
-
-- ``read_metadata`` unpickles ``.metadata`` with an unpickler that knows only the
-  classes DCP's metadata is made of (``store/metadata.py``);
-- ``SafeLoadPlanner.load_bytes`` uses ``torch.load(weights_only=True)``: plain
-  containers, numbers, strings and tensors only.
-
-Anything else is refused with ``UnsafeCheckpointError`` before it is built.
+DCP's own loader runs whatever ``.metadata`` (a pickle) and the non-tensor values name. Here
+``read_metadata`` knows only DCP's metadata classes (``store/metadata.py``) and
+``SafeLoadPlanner.load_bytes`` uses ``torch.load(weights_only=True)``; anything else is
+refused with ``UnsafeCheckpointError`` before it is built. docs/RESUMING.md, "Trusting a
+checkpoint".
 """
 
 from __future__ import annotations
@@ -46,28 +39,22 @@ class _SafeMetadataMixin:
 
 
 class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
-    """DCP's local-filesystem reader, reading ``.metadata`` with the restricted unpickler.
-
-    Tensor data is read as DCP always does, with ``torch.load(weights_only=True)``.
-    """
+    """DCP's local-filesystem reader, reading ``.metadata`` with the restricted unpickler
+    (tensor data as DCP always reads it, with ``torch.load(weights_only=True)``)."""
 
 
 @cache
 def safe_fsspec_reader_class() -> type:
     """DCP's fsspec reader (object stores), reading ``.metadata`` with the restricted unpickler."""
-    # Built on first use: fsspec is optional. A private module (public in all but name
-    # since torch 2.2), as for the writer.
+    # Built on first use: fsspec is optional. A private module, public in all but name.
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return type("SafeFsspecReader", (_SafeMetadataMixin, FsspecReader), {})
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, except that non-tensor values load as data only.
-
-    DefaultLoadPlanner.load_bytes calls ``torch.load(weights_only=False)`` on every
-    non-tensor value of the checkpoint; here it is ``weights_only=True``.
-    """
+    """DCP's default load planner, but non-tensor values load with ``weights_only=True``
+    (DefaultLoadPlanner.load_bytes: ``False``)."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn

@@ -1,13 +1,9 @@
 """DCP's background checkpoint process: started before the first step, ended at exit.
 
-DCP starts its process checkpointer at the first ``async_save``; a tiny save of its own
-(with a planner class of its own, so the training state's cached plan stays) starts it
-at start-up instead, where a failure costs a bounded wait. Training does not wait for
-it: ``start_checkpoint_process`` returns once the process is spawned (its log lines,
-INFO to its standard error, go to a file), and the first save waits for it to be up
-(``SavePipeline.wait_ready``). Spawned, the process is a new Python importing torch (1.5
-to 2 s on a 2-core machine) while the first steps train; a warm-started worker has it forked
-from the zygote instead (``fork_from``), already imported. docs/RECOVERY.md ("Warm start").
+DCP starts it at the first ``async_save``; a tiny save starts it at start-up instead,
+where a failure costs a bounded wait, while the first steps train (the first save waits:
+``SavePipeline.wait_ready``). A warm-started worker has it forked from the zygote
+(``fork_from``). docs/RECOVERY.md ("Warm start").
 """
 
 from __future__ import annotations
@@ -42,12 +38,8 @@ _fork_asked = threading.Event()
 
 
 def start_checkpoint_process(process_log: str | None) -> futures.Future:
-    """One tiny save through DCP's process checkpointer spawns its process and group.
-
-    A collective (DCP agrees on the process group's port on the calling thread). Returns
-    once the process is spawned, with the save's Future: done when the process is up and
-    has written the tiny save. Its scratch directory goes when the Future is done.
-    """
+    """One tiny save through DCP's process checkpointer spawns its process and group (a
+    collective); returns once spawned, with the save's Future (done once the process is up)."""
     name = decide_on_rank0(lambda: f"dcp-start-{uuid.uuid4().hex}")
     scratch = os.path.join(tempfile.gettempdir(), name)
     os.makedirs(scratch, exist_ok=True)
@@ -73,8 +65,7 @@ def start_checkpoint_process(process_log: str | None) -> futures.Future:
 
 @contextlib.contextmanager
 def stderr_to(path: str | None):
-    """Point file descriptor 2 at ``path`` while a child process is started, so that the
-    child's own log lines go to that file and not to the console."""
+    """Point file descriptor 2 at ``path`` while a child process is started (its logs)."""
     if path is None:
         yield
         return
@@ -93,16 +84,12 @@ def stderr_to(path: str | None):
 
 
 class _StartPlanner(dcp.DefaultSavePlanner):
-    """The start-up save's own planner class: DCP caches plans per class, so the tiny
-    start-up save does not take the training state's cache slot."""
+    """A class of its own: DCP caches one plan per class, so the training state's stays."""
 
 
 def stop_background_processes() -> None:
-    """End DCP's checkpoint process (and any other child) without waiting for it.
-
-    After a background save was abandoned its thread may wait on a dead peer for half an
-    hour; the caller then leaves with ``os._exit`` and must not leave children behind.
-    """
+    """End DCP's checkpoint process (and any other child) before an ``os._exit`` (an
+    abandoned save's thread may wait on a dead peer for half an hour)."""
     for child in [*multiprocessing.active_children(), *_forked]:
         child.terminate()
         child.join(timeout=5)
@@ -112,15 +99,10 @@ def stop_background_processes() -> None:
 
 def fork_from(forker: Callable[[list[int]], Any]) -> str | None:
     """Have DCP's checkpoint process forked by ``forker`` instead of spawned; None, or why
-    not (this torch's DCP has not the shape relied on: it then spawns, as before).
-
-    ``forker(fds)`` hands the descriptors (the process's end of its pipe, then its standard
-    streams) to a process that forks the checkpoint process, which runs
-    ``serve_as_checkpoint_process`` on them; it returns a handle on that child with
-    ``multiprocessing.Process``'s ``pid``, ``is_alive``, ``join``, ``terminate``, ``kill``,
-    ``exitcode``, or raises OSError (DCP then spawns it). DCP's private
-    ``_AsyncCheckpointProcess`` is subclassed: everything but the start is DCP's own.
-    """
+    not (this torch's DCP lacks the shape relied on: it then spawns). ``forker(fds)`` (its
+    pipe end, then its standard streams) forks one to run ``serve_as_checkpoint_process``
+    and returns a handle like a ``multiprocessing.Process`` (``pid``, ``is_alive``, ``join``,
+    ``terminate``, ``kill``, ``exitcode``), or raises OSError (DCP then spawns it)."""
     global _forker
     from torch.distributed.checkpoint import _async_process_executor as executor
 
@@ -178,14 +160,8 @@ def serve_as_checkpoint_process(pipe_fd: int) -> None:
 
 
 def quiet_checkpoint_process_exit() -> None:
-    """No traceback at exit for a checkpoint process that is already gone.
-
-    torchrun's SIGTERM reaches the worker's whole process group, DCP's checkpoint process
-    included; at interpreter exit DCP's finalizer then writes to the dead process and
-    Python prints the ignored BrokenPipeError with a traceback, after a clean stop. This
-    drops exactly that one (an OSError or EOFError from that finalizer); every other
-    unraisable exception is printed as before.
-    """
+    """No traceback at exit for a checkpoint process already gone (torchrun's SIGTERM kills
+    it too): drops only DCP's finalizer's OSError or EOFError as it writes to it."""
     previous = sys.unraisablehook
 
     def hook(unraisable) -> None:

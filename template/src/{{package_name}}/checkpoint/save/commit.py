@@ -32,9 +32,8 @@ class SaveResult:
     commit_latency_s: float
     path: str
     removed: list[str] = field(default_factory=list)
-    # Seconds the write itself took (from handing the state to DCP, after any wait for
-    # the previous save, until every shard and .metadata were written): what a blocking
-    # save at preemption is expected to need.
+    # Seconds from handing the state to DCP until every shard and .metadata were written:
+    # what a blocking save at preemption is expected to need.
     write_s: float = 0.0
 
 
@@ -81,8 +80,7 @@ def commit_written(inflight: InFlight, storage: Storage, mode: AsyncMode, lease:
         committed = layout.commit(storage, inflight.step, record, metadata=inflight.metadata)
     except (OSError, RuntimeError) as exc:
         raise NotCommitted("was written but not committed") from exc
-    # The latency a caller sees ends at the commit (the checkpoint counts from here),
-    # wherever it ran; removing old checkpoints follows and is not part of it.
+    # The latency ends at the commit (the checkpoint counts from here), not the retirement.
     latency = time.perf_counter() - inflight.started
     try:
         removed = layout.retire_old(storage, keep_last, up_to=inflight.step, best=best)

@@ -4,14 +4,10 @@ import torch.distributed.checkpoint as dcp
 
 
 class TrainingStatePlanner(dcp.DefaultSavePlanner):
-    """The save planner of the training state, with DCP's plan caching on.
-
-    DCP keeps one cached plan per planner class: the training state has this class to
-    itself, so a differently shaped save (the start-up save, an export) never evicts its
-    plan. ``cache_hits`` counts, in the process that plans (this one in ``thread`` and
-    ``sync`` mode, the checkpoint process in ``process`` mode), the saves whose local plan
-    came from the cache.
-    """
+    """The training state's own planner class: DCP caches one plan per class, so another
+    save (the start-up save, an export) never evicts it. ``cache_hits``: saves whose local
+    plan came from the cache, in the process that plans (the checkpoint process in
+    ``process`` mode)."""
 
     cache_hits = 0
 

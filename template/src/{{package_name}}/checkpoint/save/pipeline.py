@@ -1,9 +1,9 @@
 """The save pipeline: DCP saves off the training path, one at a time, committed when whole.
 
-Every rank writes its own shard; the coordinator (rank 0) writes DCP's metadata file once
-all are written, then commits (``commit.py``). In ``process`` and ``thread`` mode ``save``
-returns once the state is staged in host memory: call ``wait_staged`` before the weights
-change (the optimizer step) and ``poll`` at every step. Loading is in ``load/``.
+Every rank writes its own shard; the coordinator (rank 0) writes DCP's metadata once all
+are written, then commits (``commit.py``). In ``process`` and ``thread`` mode ``save``
+returns once the state is staged in host memory: call ``wait_staged`` before the optimizer
+step and ``poll`` at every step.
 """
 
 from __future__ import annotations
@@ -50,34 +50,26 @@ class SavePipeline:
         self.keep_last = keep_last
         self.best = best or layout.BestRule()   # checkpoint.keep_best: kept besides keep_last
         self.is_coordinator = is_coordinator
-        # One planner for the whole run: with plan caching, saves after the first reuse
-        # the global save plan instead of negotiating it again across ranks.
+        # One planner for the run: saves after the first reuse the cached global plan.
         self._planner = TrainingStatePlanner(enable_plan_caching=True)
         self._stager = None
         if self.mode != AsyncMode.sync:
             on_gpu = device.type == "cuda"
-            # Pinned memory and non-blocking copies need an accelerator; shared memory
-            # lets the background process read the staged tensors without a copy (a
-            # background thread shares the memory anyway). Saves after the first copy
-            # into the same buffers without rebuilding the state dict (staging.py).
+            # Pinned memory and non-blocking copies need an accelerator; shared memory lets
+            # the background process read the staged tensors without a copy.
             self._stager = ReusingStager(StagingOptions(
                 use_pinned_memory=on_gpu, use_shared_memory=self.mode == AsyncMode.process,
                 use_async_staging=True, use_non_blocking_copy=on_gpu), device=device)
-        # A thread-mode save runs DCP's collectives in a background thread; on the default
-        # group they would interleave with the training loop's own collectives and could
-        # pair up wrongly across ranks. Its own gloo group keeps the two streams apart
-        # (the process mode's checkpoint process makes its own group).
-        self._group = None
-        if self.mode == AsyncMode.thread and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo")
+        # A thread-mode save's collectives, on the default group, could pair up wrongly
+        # across ranks with the loop's own: they get a gloo group of their own.
+        self._group = (dist.new_group(backend="gloo")
+                       if self.mode == AsyncMode.thread and dist.is_initialized() else None)
         self._inflight: InFlight | None = None
         self._prestaging: Future | None = None   # buffers being allocated (``prestage``)
         self._starting: Future | None = None     # the checkpoint process starting (``warm_up``)
-        self._started = False
-        self._ready_by = 0.0
-        self._start_timeout_s = 0.0
-        # Held by a commit in DCP's upload thread and by ``abandon``: once a save is given
-        # up, no commit of it starts; one already under way finishes first.
+        self._started, self._ready_by, self._start_timeout_s = False, 0.0, 0.0
+        # Held by a commit in DCP's upload thread and by ``abandon``: no commit of a save
+        # given up starts; one under way finishes first.
         self._commit_lock = threading.Lock()
         self._abandoned = False
         self.last_committed: SaveResult | None = None
@@ -88,15 +80,9 @@ class SavePipeline:
     # ---------------------------------------------------------------- startup --
     def warm_up(self, state: dict[str, Any] | None, timeout_s: float,
                 process_log: str | None = None) -> str | None:
-        """Start the background checkpoint process and the staging buffers' allocation.
-
-        Neither is waited for here: the process starts while the first steps train
-        (``wait_ready``, before the first save, waits for it, bounded by ``timeout_s``
-        from now); the buffers are filled in the background and waited for before the
-        next optimizer step (``wait_staged``). Then the first save costs what later ones
-        do. A collective on every rank; returns None, or why the start failed on this
-        rank (the caller agrees across ranks and falls back to synchronous saves).
-        """
+        """Start the checkpoint process (``wait_ready``: bounded by ``timeout_s`` from now)
+        and fill the staging buffers (``wait_staged``). A collective; None, or why the
+        start failed on this rank (the caller agrees across ranks, then saves sync)."""
         if self.mode == AsyncMode.sync:
             return None
         try:
@@ -113,8 +99,7 @@ class SavePipeline:
         return None
 
     def wait_ready(self) -> str | None:
-        """Wait for the checkpoint process ``warm_up`` started (bounded by what is left of
-        checkpoint.start_timeout_s); None, or why it did not start on this rank."""
+        """Wait for the process ``warm_up`` started (bounded); None, or why it did not start."""
         starting, self._starting = self._starting, None
         if starting is None:
             return None
@@ -131,26 +116,19 @@ class SavePipeline:
         return self.record_failure(None, failure, "the background checkpoint process did not start")
 
     def give_up_start(self) -> None:
-        """The run ends before any save needed the checkpoint process: a start still under
-        way is left to the process exit (its thread could wait long for a peer)."""
+        """No save needed the process: a start under way is left to the exit (it may hang)."""
         starting, self._starting = self._starting, None
         if starting is not None and not starting.done():
             self._abandoned = True
 
     def prestage(self, state: dict[str, Any]) -> None:
-        """Allocate the staging buffers now, copying ``state`` into them in the background.
-
-        For a run that starts without optimizer state (``warm_up`` could not stage it):
-        called after the first optimizer step, it makes the first save cost what later
-        ones do. ``wait_staged`` (before the next optimizer step) waits for the copy.
-        """
+        """Allocate and fill the staging buffers in the background (``warm_up`` could not)."""
         if self._stager is None or self._inflight is not None or self._prestaging is not None:
             return
         self._prestaging = self._stage(state)
 
     def _stage(self, state: dict[str, Any]) -> Future | None:
-        """Copy ``state`` into the staging buffers (allocating them the first time); the
-        copy's Future when it runs in the background."""
+        """Copy ``state`` into the staging buffers; the copy's Future if in the background."""
         plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
         staged = self._stager.stage(plain)
         return staged if isinstance(staged, Future) else None
@@ -159,7 +137,6 @@ class SavePipeline:
     def abandoned(self) -> bool:
         """Whether a background save was given up while it may still be running."""
         return self._abandoned
-
 
     def prepare(self) -> None:
         """Create the root and clean what an interrupted earlier run left behind."""
@@ -187,14 +164,10 @@ class SavePipeline:
 
     def save(self, step: int, state: dict[str, Any], reason: str, record: dict[str, Any],
              *, blocking: bool = False) -> SaveResult | None:
-        """Start a save of ``state`` at ``step``; never two at once.
-
-        The caller finishes the previous save first (``wait``): the staging buffers are
-        reused. In ``process``/``thread`` mode this returns once the state is handed
-        over (None; ``poll``/``wait`` commit it later). ``blocking`` writes synchronously
-        whatever the mode (the last save before exiting: the background process may
-        already be gone), and returns the committed result.
-        """
+        """Start a save of ``state`` at ``step``; never two at once (``wait`` first: the
+        staging buffers are reused). Async modes return None once the state is handed over
+        (``poll``/``wait`` commit it); ``blocking`` (the last save before exiting: the
+        background process may be gone) writes synchronously and returns the result."""
         if self._inflight is not None:
             raise RuntimeError(f"the save of step {self._inflight.step} is still in flight; "
                                "wait for it before starting another")
@@ -206,8 +179,7 @@ class SavePipeline:
                 layout.make_room(self.storage, step)
             except Exception as exc:  # noqa: BLE001 - agreed below, then raised on every rank
                 prepared = exc
-        # Every rank learns at once that the coordinator could not prepare the save:
-        # otherwise the others would enter DCP's collectives alone and wait there.
+        # Every rank learns the coordinator failed, or the others would wait in DCP alone.
         failed, unreachable = any_rank(prepared is not None,
                                        prepared is not None and is_transient(prepared))
         if failed:
@@ -225,10 +197,9 @@ class SavePipeline:
             return self._finish(mode=AsyncMode.sync)
         kind = (AsyncCheckpointerType.PROCESS if self.mode == AsyncMode.process
                 else AsyncCheckpointerType.THREAD)
-        # The staged state is on the host already: no copy-ahead from the GPU. DCP's own
-        # writer.stage() would set this, but it is skipped when a stager is given; left at
-        # its default the writer takes the overlapping loader, which opens a CUDA context
-        # on GPU 0 in the background process and queues writes behind training kernels.
+        # The staged state is on the host: no copy-ahead (DCP's writer.stage() would set it,
+        # but is skipped with a stager; the overlapping loader would open a CUDA context on
+        # GPU 0 in the background process and queue writes behind training kernels).
         if hasattr(writer, "per_thread_copy_ahead"):
             writer.per_thread_copy_ahead = 0
         response = dcp.async_save(state, storage_writer=writer, planner=self._planner,
@@ -270,21 +241,15 @@ class SavePipeline:
     @staticmethod
     def _finishing(inflight: InFlight) -> list[Future]:
         """What must be done before a save can be handed over: staging, upload, commit."""
-        return [f for f in (inflight.staging, inflight.upload, inflight.committed)
-                if f is not None]
+        return [f for f in (inflight.staging, inflight.upload, inflight.committed) if f is not None]
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
-        """Block until the in-flight save (if any) is written, then commit it.
-
-        With ``timeout`` (seconds), raise TimeoutError if it is not written by then; the
-        save stays in flight (``abandon`` drops it). Preemption uses this to keep the
-        drain inside the grace period.
-        """
+        """Block until the in-flight save (if any) is written, then commit it; with
+        ``timeout`` (s), TimeoutError if not written by then (it stays in flight)."""
         if self._inflight is None:
             return None
         if timeout is not None:
-            pending = self._finishing(self._inflight)
-            _, not_done = futures.wait(pending, timeout=max(0.0, timeout))
+            _, not_done = futures.wait(self._finishing(self._inflight), timeout=max(0.0, timeout))
             if not_done:
                 raise TimeoutError(f"the save of step {self._inflight.step} was not written "
                                    f"within {max(0.0, timeout):.1f} s")
@@ -293,13 +258,9 @@ class SavePipeline:
         return self._finish()
 
     def abandon(self, why: str = "") -> int | None:
-        """Forget the in-flight save without committing it; returns its step.
-
-        Its directory stays unfinished (never a checkpoint) and ``prepare`` removes it
-        at the next start. A background writer may still be running; nothing waits for it.
-        A commit already under way in the upload thread finishes first: then the save
-        is a checkpoint after all (``last_committed``) and None is returned.
-        """
+        """Forget the in-flight save uncommitted (``prepare`` removes it at the next start;
+        a writer may still run); its step, or None when a commit under way in the upload
+        thread finished first (it is ``last_committed`` then)."""
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return None
@@ -307,11 +268,11 @@ class SavePipeline:
             inflight.given_up = True
         committed = inflight.committed
         if committed is not None and committed.done() and committed.exception() is None:
-            # It was committed before it could be given up: it is a checkpoint.
             self.last_committed = committed.result()
             return None
         self._abandoned = True
-        self.record_failure(inflight.step, None, "given up unfinished" + (f": {why}" if why else ""))
+        self.record_failure(inflight.step, None,
+                            "given up unfinished" + (f": {why}" if why else ""))
         return inflight.step
 
     def record_failure(self, step: int | None, exc: BaseException | None, what: str) -> str:
@@ -322,8 +283,7 @@ class SavePipeline:
                     + "; the previous checkpoint stays the newest")
         self.failed_saves += 1
         self.last_error = sentence
-        # Anything but unreachable storage may mean a broken checkpoint process (policy.py
-        # then saves synchronously); an outage does not.
+        # Anything but unreachable storage may mean a broken checkpoint process (policy.py).
         self.broken_save |= exc is None or not all(map(is_transient, save_failures(exc)))
         log.error("%s", sentence)
         return sentence
@@ -348,9 +308,7 @@ class SavePipeline:
         return result
 
     def _commit_when_written(self, inflight: InFlight, upload: Future) -> None:
-        """Run in DCP's upload thread as soon as the shards are written (coordinator): the
-        commit, its checksums and the retirement of old checkpoints stay off the training
-        thread. ``poll`` hands the result over."""
+        """In DCP's upload thread (coordinator): commits off the training thread for ``poll``."""
         inflight.written = time.perf_counter()
         try:
             with self._commit_lock:
@@ -371,8 +329,7 @@ class SavePipeline:
     def close(self) -> SaveResult | None:
         """Finish the in-flight save and release the staging buffers."""
         result = self.wait()
-        # An abandoned background writer may still read the staging buffers: leave them
-        # to the process exit rather than free them under it.
+        # An abandoned writer may still read the buffers: left to the process exit.
         if self._stager is not None and not self._abandoned:
             self._stager.close()
         self._stager = None

@@ -1,16 +1,12 @@
 """Staging a save: copying the state into host memory that the background writer reads.
 
-DCP's ``DefaultStager`` keeps its host buffers from one save to the next but deep-copies
-the state dict at every save (a new tensor per DTensor, its sharding spec copied, every
-object through Python's copy protocol): with a few hundred tensors, several times the
-memory copy itself, on the training path (docs/PERFORMANCE.md, "Measured here").
-``ReusingStager`` is DCP's stager with one fast path: when the state has the structure
-last staged (each tensor's dtype, shape, strides and device; a DTensor's mesh, placements
-and global shape too), it copies each tensor's data into the buffer it used last time and
-rebuilds only the dicts, lists and tuples around them. Anything else goes through DCP's
-deep copy, which also refreshes what the fast path reuses. The buffers are reused, so a
-save may only be staged after the previous one has been written, as the pipeline does.
-The releases whose stager closes after each stage: docs/EXTENDING.md, "Torch releases".
+DCP's ``DefaultStager`` deep-copies the state dict at every save: with a few hundred
+tensors, several times the memory copy itself, on the training path (docs/PERFORMANCE.md).
+``ReusingStager`` adds one fast path: when the state has the structure last staged (each
+tensor's dtype, shape, strides and device; a DTensor's mesh, placements, global shape), it
+copies each tensor into the buffer it used last time and rebuilds only the containers.
+Anything else goes through DCP's deep copy. The buffers are reused: a save may only be
+staged once the previous one is written. Torch releases: docs/EXTENDING.md.
 """
 
 from __future__ import annotations
@@ -42,8 +38,7 @@ class _Mismatch(Exception):
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
-    # DTensor.to_local() goes through autograd (a few microseconds per tensor, hundreds
-    # of tensors); staging is under no_grad and needs only the local data.
+    # DTensor.to_local() goes through autograd (microseconds a tensor): staging needs less.
     return x._local_tensor if type(x) is DTensor else x
 
 
@@ -63,9 +58,8 @@ class _ReusingStateDictStager(StateDictStager):
         self._slots: list[_Slot] | None = None
         self.fast_stages = 0   # saves staged by the fast path
         self.full_stages = 0   # saves staged by DCP's deep copy
-        # Where DCP's DefaultStager closes this stager after every stage (torch 2.11 and
-        # 2.12.0), that close is let pass and the real one comes at shutdown
-        # (runtime/torch_compat.py): a closed stager fails at its next stage.
+        # Where DCP closes this stager after every stage (torch 2.11, 2.12.0), that close
+        # is let pass until shutdown: a closed stager fails at its next stage.
         self.open_until_shutdown = stager_closes_after_each_stage()
         self.shutting_down = False
 
@@ -127,8 +121,7 @@ class _ReusingStateDictStager(StateDictStager):
 
 
 def _collect(source: Any, staged: Any, slots: list[_Slot]) -> bool:
-    """Pair each source tensor with its staged copy, in traversal order; False when the
-    structure holds something the fast path does not rebuild."""
+    """Pair source tensors with their staged copies in order; False if not rebuildable."""
     kind = type(source)
     if kind in _ATOMIC:
         return True
@@ -146,13 +139,8 @@ def _collect(source: Any, staged: Any, slots: list[_Slot]) -> bool:
 
 
 def _shared_marked(slots: list[_Slot]) -> list[_Slot]:
-    """Keep the source pointer only where several slots share one buffer's storage.
-
-    Copying into a shared buffer is right only while the sources share memory the same
-    way (tied weights: one parameter under two names), so those slots accept only the
-    source they had. Every other slot takes any source of its signature (e.g. the RNG
-    state, a new tensor at every save).
-    """
+    """Keep the source pointer only where slots share a buffer's storage (tied weights):
+    those accept only the source they had; others any source of their signature."""
     owners: dict[int, int] = {}
     for slot in slots:
         if slot.buffer.numel():
@@ -163,15 +151,10 @@ def _shared_marked(slots: list[_Slot]) -> list[_Slot]:
 
 
 class ReusingStager(DefaultStager):
-    """DCP's DefaultStager (pinned or shared host memory, asynchronous copy) whose saves
-    after the first copy into the same buffers without rebuilding the state dict.
-
-    On CUDA two more things differ from DCP's: the staging thread sets this rank's device
-    before it does anything (leaving the staging stream's context would otherwise select
-    device 0, opening a context there for every local rank but 0), and the staging stream
-    waits for the work already queued on the compute stream before it copies, so the copy
-    never reads parameters an unfinished kernel is still writing.
-    """
+    """DCP's DefaultStager whose saves after the first copy into the same buffers. On CUDA
+    its thread sets this rank's device first (else leaving the staging stream's context
+    opens one on device 0 for every local rank), and its stream waits for the compute
+    stream (the copy never reads parameters an unfinished kernel still writes)."""
 
     def __init__(self, options: StagingOptions, device: torch.device | None = None) -> None:
         super().__init__(options)
@@ -186,8 +169,7 @@ class ReusingStager(DefaultStager):
                 initializer=torch.cuda.set_device, initargs=(device,))
 
     def close(self) -> None:
-        """At shutdown: the staging thread, the host buffers and the copy table go (the
-        state-dict stager closed here too: DCP's close leaves it open before 2.11)."""
+        """Close at shutdown, the state-dict stager too (DCP's leaves it open before 2.11)."""
         super().close()
         inner = getattr(self, "_state_dict_stager", None)
         if isinstance(inner, _ReusingStateDictStager):
@@ -207,5 +189,5 @@ class ReusingStager(DefaultStager):
 
     @property
     def full_stages(self) -> int:
-        """Saves staged by DCP's deep copy (the first one, and any change of structure)."""
+        """Saves staged by DCP's deep copy (the first, and any change of structure)."""
         return getattr(getattr(self, "_state_dict_stager", None), "full_stages", 0)

@@ -1,12 +1,9 @@
 """DCP writers that checksum every file as its bytes are written: nothing is read back.
 
-Each rank's writer (in DCP's checkpoint process, in process mode) passes every file it
-writes through a stream that computes the per-block CRC-32 of ``integrity`` on the way
-out; the values travel to the coordinator with the rank's write results, and the
-coordinator's writer records them all, its ``.metadata`` included, in
-``integrity.RECORD_FILE`` beside the shards. The commit reads that one small file, never
-a shard, and removes it (``integrity.recorded_entries``). The shards and ``.metadata`` stay DCP's
-own: any DCP reader reads them. Design and figures: docs/PERFORMANCE.md.
+Each rank's writer computes ``integrity``'s per-block CRC-32 on the way out; the values
+reach the coordinator with the write results, and its writer records them all in
+``integrity.RECORD_FILE`` for the commit. Shards and ``.metadata`` stay DCP's own (any DCP
+reader reads them). docs/PERFORMANCE.md, "Saves: checksums as the bytes are written".
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ class _CrcStream:
     the file; there is no ``seek``: a write that went back would void the checksums."""
 
     def __init__(self, raw: Any, block_bytes: int) -> None:
-        self._raw = raw
-        self.crcs = integrity.BlockCrcs(block_bytes)
+        self._raw, self.crcs = raw, integrity.BlockCrcs(block_bytes)
 
     def write(self, data: Any) -> int:
         written = self._raw.write(data)
@@ -119,9 +115,8 @@ class ChecksummingFileSystem:
 
 @contextmanager
 def _zip_crc32_off():
-    """torch.save's own CRC-32 of each zip record off while DCP writes: no reader checks it
-    (torch.load does not), and the block checksums here cover the same bytes; it cost
-    about as much CPU as they do (docs/PERFORMANCE.md)."""
+    """torch.save's own CRC-32 of each zip record off while DCP writes: torch.load does not
+    check it, the block checksums cover the same bytes, and it cost as much CPU as they do."""
     get = getattr(torch.serialization, "get_crc32_options", None)
     put = getattr(torch.serialization, "set_crc32_options", None)
     if get is None or put is None:
@@ -141,8 +136,7 @@ class _LocalFileSystem(ChecksummingFileSystem, FileSystem):
 
 @dataclass(frozen=True)
 class _Carried:
-    """The checksums of one rank's files, among its write results on their way to the
-    coordinator's ``finish`` (which takes them out before DCP's metadata is built)."""
+    """One rank's checksums among its write results; ``finish`` takes them out for DCP."""
 
     entries: dict[str, dict[str, Any]]
 
@@ -175,8 +169,7 @@ class ChecksummingWriterMixin:
         data = json.dumps({"algorithm": integrity.ALGORITHM,
                            "block_bytes": self.fs.block_bytes,
                            "files": dict(sorted(entries.items()))}).encode()
-        # Not synced: the commit that follows in this run reads it, copies it into
-        # commit.json and removes it; a crash before then leaves the save uncommitted.
+        # Not synced: the commit reads it into commit.json; a crash before leaves no commit.
         with self.fs.create_stream(self.fs.concat_path(self.path, integrity.RECORD_FILE),
                                    "wb") as stream:
             stream.write(data)

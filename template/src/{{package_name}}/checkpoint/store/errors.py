@@ -16,12 +16,10 @@ class StorageError(OSError):
 
 
 class StorageUnavailable(StorageError):
-    """checkpoint.dir cannot be reached now (connection refused, timed out, the service
-    unavailable): an outage that may pass, not a refusal (checkpoint/store/outage.py)."""
+    """checkpoint.dir cannot be reached now: an outage that may pass, not a refusal."""
 
 
-# What a store's client raises when the service cannot be reached, by class name: the
-# drivers are optional, so their classes are not imported here.
+# Store clients' exceptions for a service not reached, by name (the drivers are optional).
 UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
                "ConnectionClosedError", "ClientConnectorError", "ServerDisconnectedError",
                "ServerTimeoutError", "ProxyConnectionError", "HTTPClientError"}
@@ -33,11 +31,8 @@ def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) says the storage could not be reached, rather
     than refused (credentials, permissions, a missing bucket, a full disk)."""
     for cause in causes(exc):
-        if isinstance(cause, StorageUnavailable):
-            return True
-        if isinstance(cause, (ConnectionError, TimeoutError)):
-            return True
-        if type(cause).__name__ in UNREACHABLE:
+        if (isinstance(cause, (StorageUnavailable, ConnectionError, TimeoutError))
+                or type(cause).__name__ in UNREACHABLE):
             return True
         if type(cause).__name__ == "ClientError" and any(
                 code in str(cause) for code in UNAVAILABLE_CODES):
@@ -46,8 +41,7 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def save_failures(exc: BaseException) -> list[BaseException]:
-    """The failure of each rank in DCP's CheckpointException (its ``failures``), or the
-    exception itself."""
+    """Each rank's failure in DCP's CheckpointException (``failures``), or ``[exc]``."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         return [f[0] if isinstance(f, tuple) else f for f in failures.values()]
@@ -55,13 +49,8 @@ def save_failures(exc: BaseException) -> list[BaseException]:
 
 
 def describe_save_error(exc: BaseException, path: str) -> str:
-    """One sentence for a failed save: which path, which rank, and why (errno when known).
-
-    DCP wraps each rank's failure in a CheckpointException; a failed write often shows up
-    as torch's "unexpected pos N vs M" with the OSError (ENOSPC...) only as its context,
-    and a failure that crossed a process boundary (another rank, the checkpoint process)
-    has lost that context: then the free space of a local path is looked at.
-    """
+    """One sentence for a failed save: path, rank, and why: the errno when known (a failure
+    from another process has lost it: then a local path's free space is looked at)."""
     failures = getattr(exc, "failures", None)
     inner, where = exc, ""
     if isinstance(failures, dict) and failures:
@@ -108,8 +97,8 @@ def os_cause(exc: OSError) -> str:
 
 def store_cause(exc: Exception) -> str:
     kind = type(exc).__name__
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if is_transient(exc):
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return f"cannot be reached ({kind}{': ' + first if first else ''})"
     if kind == "NoCredentialsError" or "credentials" in str(exc).lower():
         return (f"no credentials found ({kind}): set them in the environment "
@@ -121,7 +110,6 @@ def store_cause(exc: Exception) -> str:
         return f"permission denied ({kind}: {exc})"
     if isinstance(exc, OSError) and exc.errno:
         return os_cause(exc)
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{kind}: {first}" if first else kind
 
 
@@ -131,4 +119,3 @@ def human_bytes(n: float) -> str:
         if n < 1024 or unit == "TiB":
             return f"{n:,} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n} bytes"  # unreachable

@@ -1,13 +1,11 @@
 """Checksums of a checkpoint's files: recorded as they are written, checked before a load.
 
-A file's size says it was written whole; only its content's checksum says the bytes are
-the ones that were written. ``commit.json`` records, for every file, its size and the
-CRC-32 of each 8 MiB block (``BLOCK_BYTES``). The writers compute them as the bytes go
-out (``BlockCrcs``, ``checksummed_writer.py``) and record them in ``RECORD_FILE``; the
-commit reads that record, never a shard (``recorded_entries``). A commit.json without
-checksums (``files`` maps names to sizes) is accepted with sizes only, and said so. The
-format, the verification modes (``checkpoint.verify``), the load's check as it reads
-(``StreamCheck``) and why CRC-32: docs/RESUMING.md, "Damaged bytes: checksums", and
+A size says a file was written whole; only a checksum says its bytes are the ones written.
+``commit.json`` records each file's size and the CRC-32 of each 8 MiB block, computed as
+the bytes go out (``BlockCrcs``, ``checksummed_writer.py``) into ``RECORD_FILE``, which the
+commit reads instead of any shard. A commit.json without checksums (``files`` maps names to
+sizes) is accepted with sizes only, and said so. Format, modes (``checkpoint.verify``), the
+load's check (``StreamCheck``), why CRC-32: docs/RESUMING.md, "Damaged bytes: checksums";
 docs/PERFORMANCE.md, "Saves: checksums as the bytes are written, nothing read back".
 """
 
@@ -33,8 +31,7 @@ SAMPLE_EVERY = 8
 MAX_THREADS = 8      # files checksummed at once (commit and verification)
 _READ_BYTES = 1 << 20
 MODES = ("all", "sample", "none")
-# Beside the shards of a save: every file's checksums, as its writer computed them.
-RECORD_FILE = ".checksums.json"
+RECORD_FILE = ".checksums.json"   # beside a save's shards: each file's checksums, as written
 
 
 def _mode(mode: Any) -> str:
@@ -77,19 +74,13 @@ class BlockCrcs:
 
 
 def recorded_entries(storage: Storage, work: str, files: dict[str, int]) -> tuple[dict, int]:
-    """commit.json's ``files`` for the save in ``work`` (``files``: every file there but
-    RECORD_FILE, with its size on storage) and the block size, from the checksums its
-    writers recorded.
-
-    Reads ``RECORD_FILE`` and nothing else. Raises RuntimeError, naming the file, when a
-    recorded file is not visible here, a file has another size than was written, or was
-    not written through a checksumming writer.
-    """
+    """commit.json's ``files`` and the block size for the save in ``work`` (``files``: its
+    files and sizes on storage), from RECORD_FILE alone; RuntimeError naming a file that is
+    not visible, has another size than written, or was not written by a checksumming writer."""
     where = f"cannot commit {storage.path(work)}"
     try:
         with storage.open_read(f"{work}/{RECORD_FILE}") as handle:
-            data = handle.read()
-        record = json.loads(data)
+            record = json.loads(handle.read())
         block, entries = int(record["block_bytes"]), dict(record["files"])
     except FileNotFoundError:
         raise RuntimeError(f"{where}: {RECORD_FILE} is missing (its writers recorded no "
@@ -141,8 +132,7 @@ def mismatch(file_name: str, begin: int, length: int, crc: int, recorded: str) -
 
 @dataclass(frozen=True)
 class Expected:
-    """What a commit.json records of its files' contents: blocks of ``block_bytes``, each
-    with its CRC-32 (``crcs``), and each file's size."""
+    """A commit.json's checksums: each file's CRC-32 per ``block_bytes`` block, and size."""
 
     block_bytes: int
     crcs: dict[str, list[str]]
@@ -171,12 +161,9 @@ def expected(record: dict[str, Any]) -> Expected | None:
 
 
 class StreamCheck:
-    """The CRC-32 of a file's blocks as its bytes go by, in order, from ``start``.
-
-    ``update`` raises ChecksumMismatch as soon as a block is complete and differs; a block
-    is complete at its end or at the end of the file. Bytes before ``start`` (a block
-    boundary) and after the last byte given are not checked.
-    """
+    """The CRC-32 of a file's blocks as its bytes go by, in order, from ``start`` (a block
+    boundary): ``update`` raises ChecksumMismatch once a block ends (or the file does) and
+    differs. Bytes before ``start`` and after the last byte given are not checked."""
 
     def __init__(self, file_name: str, recorded: list[str], block: int, start: int,
                  size: int) -> None:
@@ -219,11 +206,8 @@ class Check:
 
 def check_contents(storage: Storage, name: str, record: dict[str, Any], mode: Any = "all",
                    rng: random.Random | None = None) -> Check:
-    """Compare the files of checkpoint ``name`` with the checksums in its ``record``.
-
-    Sizes are assumed checked already (discovery does it). Returns a Check whose
-    ``problem`` names the first file that does not match, and where.
-    """
+    """Compare checkpoint ``name``'s files with its ``record``'s checksums (sizes are checked
+    already, by discovery); the Check's ``problem`` names the first that differs, and where."""
     mode = _mode(mode)
     sizes = file_sizes(record) or {}
     check = Check(files=len(sizes), bytes=sum(sizes.values()))
@@ -270,11 +254,8 @@ def check_contents(storage: Storage, name: str, record: dict[str, Any], mode: An
 
 
 def parallel_map(function: Any, items: list[Any]) -> list[Any]:
-    """``map`` over files on up to ``MAX_THREADS`` threads, results in order.
-
-    zlib.crc32 and file reads release the GIL, so the files of a multi-rank checkpoint
-    are checksummed side by side on as many cores.
-    """
+    """``map`` over files on up to MAX_THREADS threads, results in order (zlib.crc32 and
+    file reads release the GIL: a multi-rank checkpoint's files are checksummed side by side)."""
     workers = min(MAX_THREADS, len(items), os.cpu_count() or 1)
     if workers <= 1:
         return [function(item) for item in items]

@@ -7,11 +7,9 @@
     <root>/step_000000130.tmp/      a save in progress (local filesystems only)
     <root>/step_000000100.deleting/ an old checkpoint being removed
 
-A checkpoint counts only when ``commit.json`` exists, parses, and every file it lists is
-present with the recorded size; its checksums are checked as it loads (``integrity``).
-With atomic rename the directory is written under ``.tmp`` and renamed after the commit
-file, so a ``step_*`` directory is complete or absent; on object stores the commit file
-alone decides (README.md, "Checkpoints in an object store"; docs/RESUMING.md).
+A checkpoint counts only when ``commit.json`` lists every file present with its size (its
+checksums are checked as it loads). With atomic rename a ``step_*`` directory is whole or
+absent; on object stores the commit file alone decides (docs/RESUMING.md).
 """
 
 from __future__ import annotations
@@ -67,13 +65,10 @@ class Committed:
 
 
 def make_room(storage: Storage, step: int) -> None:
-    """Clear the place a save of ``step`` is about to write to (coordinator, before the save).
-
-    An unfinished earlier attempt must not mix with the new shards; on object stores an
-    earlier committed copy must go too, or its old commit.json would vouch for a
-    half-written new one. Other ranks write only after the coordinator has taken part
-    in planning, so nothing of the new save exists yet.
-    """
+    """Clear where a save of ``step`` will write (coordinator, before the save): an earlier
+    unfinished attempt must not mix with the new shards, and on object stores an earlier
+    committed copy must go too, or its commit.json would vouch for a half-written new one.
+    Other ranks write only after the coordinator has planned: nothing new exists yet."""
     work = staging_name(step, storage)
     if work in storage.list_names():
         if storage.atomic_rename:
@@ -85,14 +80,9 @@ def make_room(storage: Storage, step: int) -> None:
 
 def commit(storage: Storage, step: int, record: dict[str, Any],
            metadata: Metadata | None = None) -> Committed:
-    """Seal a finished save: write commit.json last, then move it into place.
-
-    Call only after every rank's shards and the metadata file are written. Every file
-    written must be visible here: a checkpoint directory that is not shared by all ranks
-    (node-local disks) is refused rather than committed incomplete. The checksums are
-    the ones the writers recorded as they wrote (``integrity.recorded_entries``): no file
-    is read back. ``metadata`` (what DCP's save returned), when given, is checked too.
-    """
+    """Seal a fully written save: commit.json last, then into place. A file not visible here
+    (storage not shared by all ranks) is refused, not committed incomplete; ``metadata``
+    (what DCP's save returned) is checked too when given. No file is read back."""
     work = staging_name(step, storage)
     files = storage.list_files(work)
     if METADATA_FILE not in files:
@@ -113,8 +103,7 @@ def commit(storage: Storage, step: int, record: dict[str, Any],
     final = step_name(step)
     if work != final:
         if final in storage.list_names():
-            # A checkpoint of this step exists already (e.g. written by an earlier run
-            # that crashed after committing): retire it before taking its name.
+            # One of this step exists (an earlier run crashed after committing): retire it.
             _discard(storage, final)
         storage.rename(work, final)
     return Committed(step, final, storage.path(final), record)
@@ -146,8 +135,7 @@ def _verify(storage: Storage, name: str, step: int) -> tuple[dict[str, Any] | No
 
 def _complete_newest_first(storage: Storage, *, warn: bool):
     """Complete checkpoints, newest first; damaged ones are skipped with a warning."""
-    names = sorted((n for n in storage.list_names() if _NAME.match(n)), reverse=True)
-    for name in names:
+    for name in reversed(checkpoint_names(storage)):
         step = int(_NAME.match(name).group(1))
         record, problem = _verify(storage, name, step)
         if record is None:
@@ -163,18 +151,13 @@ def list_committed(storage: Storage, *, warn: bool = True) -> list[Committed]:
 
 
 def newest_complete_checkpoint(storage: Storage, *, verify: str = "all") -> Committed | None:
-    """The checkpoint to resume from: the newest complete one whose files match their checksums.
-
-    ``verify`` is ``checkpoint.verify``: ``all`` reads every file, ``sample`` a part of
-    each large one, ``none`` trusts the sizes. A checkpoint that fails is skipped with a
-    warning naming the file, and the one before it is tried; older ones are not read.
-    """
+    """The newest complete checkpoint whose files match their checksums (``verify``:
+    checkpoint.verify); one that fails is skipped with a warning, older ones are not read."""
     return next(verified_newest_first(storage, verify), None)
 
 
 def verified_newest_first(storage: Storage, verify: str = "all"):
-    """Complete checkpoints whose files match their checksums, newest first, checked one at
-    a time as the caller asks for the next (a load that fails falls back to the next)."""
+    """Complete checkpoints whose files match their checksums, newest first, checked lazily."""
     for checkpoint in sized_newest_first(storage):
         check = integrity.check_contents(storage, checkpoint.name, checkpoint.record, verify)
         if check.problem:
@@ -213,10 +196,7 @@ class Verdict:
 
 def verify_checkpoint(storage: Storage, name: str, verify: str = "all") -> Verdict:
     """Check one ``step_*`` checkpoint: commit file, sizes, checksums, a loadable .metadata.
-
-    A directory without commit.json is "uncommitted" (an unfinished save, never loaded),
-    not a failure; everything that would make discovery skip it is.
-    """
+    No commit.json is "uncommitted", not a failure; whatever discovery would skip is."""
     match = _NAME.match(name)
     if not match:
         raise ValueError(f"{storage.path(name)} is not a checkpoint (step_<9 digits>)")
@@ -248,33 +228,21 @@ def checkpoint_names(storage: Storage) -> list[str]:
 
 
 def space_needed(storage: Storage, keep_last: int) -> tuple[int | None, str]:
-    """Free space the next saves need, estimated from the newest checkpoint's files.
-
-    Up to ``keep_last`` committed checkpoints stay while one more is written, so the
-    root holds ``keep_last + 1`` at most; what the committed ones already take counts
-    as held. Returns (bytes still needed, how that was computed), or (None, reason)
-    when there is no checkpoint to measure yet.
-    """
+    """(Bytes the next saves still need, how that was computed), or (None, why) with no
+    checkpoint to measure: ``keep_last + 1`` of the newest's size, less what is held."""
     committed = list_committed(storage, warn=False)
     if not committed:
         return None, "no checkpoint to measure yet"
     sizes = [sum((integrity.file_sizes(c.record) or {}).values()) for c in committed]
-    one = sizes[-1]
-    held = sum(sizes[-keep_last:])
-    needed = max(one, one * (keep_last + 1) - held)
-    return needed, (f"checkpoint.keep_last={keep_last} + 1 checkpoints of {human_bytes(one)} "
-                    f"each, less {human_bytes(held)} held already")
+    one, held = sizes[-1], sum(sizes[-keep_last:])
+    return max(one, one * (keep_last + 1) - held), (
+        f"checkpoint.keep_last={keep_last} + 1 checkpoints of {human_bytes(one)} each, "
+        f"less {human_bytes(held)} held already")
 
 
 def check_storage(storage: Storage, keep_last: int, retry_s: float = 0.0) -> None:
-    """The start-up storage check, run by the coordinator, its verdict shared by all ranks.
-
-    Raises StorageError (one sentence: checkpoint.dir and the cause) on every rank when
-    the root cannot be created, written or renamed in, lacks the free space the next
-    saves need (``space_needed``), or an object store refuses the credentials or has no
-    such bucket. Call it before building the model: failing here costs seconds, not the
-    compute until the first save.
-    """
+    """The start-up storage check (``probe``, ``space_needed``) on rank 0, its StorageError
+    raised on every rank; before the model is built, so failing costs seconds."""
     def check() -> None:
         probe(storage)  # first: listing a root that is a file or lacks credentials fails
         check_space(storage, *space_needed(storage, keep_last))
@@ -324,13 +292,9 @@ class BestRule:
 def retire_old(storage: Storage, keep_last: int, *, up_to: int | None = None,
                best: BestRule | None = None) -> list[str]:
     """Remove all but the newest ``keep_last`` committed checkpoints and the best
-    ``best.keep`` (never retired by keep_last); returns the names removed.
-
-    With ``up_to`` (the step just committed), checkpoints of later steps neither count
-    nor go: they were left by a run this one did not resume from (skipped as damaged,
-    or refused), and counting them would retire the saves this run makes until it
-    passes their step. A half-deleted checkpoint never looks complete (see ``_discard``).
-    """
+    ``best.keep``; returns the names removed. With ``up_to`` (the step just committed),
+    later steps neither count nor go: a run this one did not resume from (damaged, refused)
+    left them, and counting them would retire this run's saves until it passes their step."""
     removed = []
     committed = [c for c in list_committed(storage, warn=False)
                  if up_to is None or c.step <= up_to]
@@ -354,10 +318,8 @@ def _discard(storage: Storage, name: str) -> None:
 
 
 def clean_leftovers(storage: Storage) -> list[str]:
-    """Remove saves that never committed and removals that never finished.
-
-    On object stores an unfinished save is a ``step_*`` prefix without a commit file.
-    """
+    """Remove saves that never committed (on object stores: ``step_*`` without a commit
+    file) and removals that never finished."""
     leftovers = []
     for name in storage.list_names():
         unfinished = (not storage.atomic_rename and _NAME.match(name)

@@ -2,14 +2,10 @@
 
     <root>/lease.json   {"host", "pid", "job_id", "acquired", "heartbeat"}
 
-Rank 0 takes the lease before anything is built and renews it from a thread. Who waits,
-who refuses, and which leases are taken over (stale, held by a dead process of this host,
-or by an earlier run of the same scheduler job): docs/PREEMPTION.md, "One job per
-checkpoint directory". A job that finds its lease taken over stops committing
-checkpoints (the save fails, with the reason). On a filesystem the lease is written
-through a temporary file and renamed; object stores offer no compare-and-swap, so there
-it is written and read back: two jobs that start within the same second can both believe
-they hold it until the next renewal, when one sees the other's name and stops committing.
+Rank 0 takes it before anything is built and renews it from a thread; a job whose lease
+was taken over stops committing (its saves fail, saying why). Who waits, who refuses, which
+leases are taken over, and two jobs on an object store (no compare-and-swap: written, then
+read back at each renewal): docs/PREEMPTION.md, "One job per checkpoint directory".
 """
 
 from __future__ import annotations
@@ -54,11 +50,9 @@ class Owner:
 
 
 def this_job_id() -> str:
-    for name in JOB_ID_VARIABLES:
-        value = os.environ.get(name, "")
-        if value and value != "none":
-            return value
-    return f"{socket.gethostname()}:{os.getppid()}"
+    value = next((os.environ[name] for name in JOB_ID_VARIABLES
+                  if os.environ.get(name, "") not in ("", "none")), None)
+    return value or f"{socket.gethostname()}:{os.getppid()}"
 
 
 def scheduler_job_id() -> str | None:
@@ -69,16 +63,13 @@ def scheduler_job_id() -> str | None:
 
 class Lease:
     def __init__(self, storage: Storage, *, stale_s: float, wait_s: float) -> None:
-        self.storage = storage
-        self.stale_s = stale_s
-        self.wait_s = wait_s
+        self.storage, self.stale_s, self.wait_s = storage, stale_s, wait_s
         self.me = Owner(socket.gethostname(), os.getpid(), this_job_id(), time.time(),
                         time.time())
         self.held = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    # -------------------------------------------------------------- reading --
     def owner(self) -> Owner | None:
         """The current holder, or None when there is none (or the file is unreadable)."""
         try:
@@ -105,13 +96,10 @@ class Lease:
             return f"an earlier run of this job ({job}), which has ended"
         return None
 
-    # -------------------------------------------------------------- holding --
     def acquire(self, *, take: bool = True) -> str | None:
-        """Take the lease, waiting up to ``wait_s`` for a live holder; raises LeaseHeld.
-
-        Returns a notice when a stale lease was taken over, else None. With ``take=False``
-        only wait until it could be taken (``resume`` checks before starting torchrun).
-        """
+        """Take the lease, waiting up to ``wait_s`` for a live holder (then LeaseHeld); a
+        notice when one was taken over, else None. ``take=False`` only waits until it could
+        be taken (``resume`` checks before starting torchrun)."""
         if take:
             self.storage.makedirs()
         deadline = time.monotonic() + self.wait_s
@@ -175,10 +163,8 @@ class Lease:
                               "any more", self.storage, self.stale_s)
 
     def release_for_ended_job(self, job_id: str) -> str | None:
-        """Remove a lease that ``job_id`` holds: the caller knows that job has ended on
-        every node (a node of it was lost and the others stopped). A holder still
-        running after all (a network partition, not a loss) writes its lease again at
-        its next heartbeat. Returns the holder in words, or None when nothing was done."""
+        """Remove ``job_id``'s lease, the caller knowing that job ended on every node (one still
+        running rewrites it at its next beat); the holder in words, or None if not held."""
         owner = self.owner()
         if owner is None or owner.job_id != job_id:
             return None

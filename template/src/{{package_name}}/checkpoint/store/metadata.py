@@ -1,12 +1,9 @@
 """Reading a checkpoint's ``.metadata`` without running code from it.
 
-``.metadata`` is a pickle: DCP's own reader unpickles it with ``pickle.load``, so
-whoever can write to a checkpoint directory could run code in the job. ``load_metadata``
-unpickles it with an unpickler that knows only the classes DCP's metadata is made of
-(checked against real files from sync, thread and process saves, FSDP2 on one and two
-ranks, local and fsspec storage) and refuses anything else with
-``UnsafeCheckpointError`` before it is built. The layout reads it this way
-(``layout.py``); so do the load's readers (``load/safe_load.py``).
+``.metadata`` is a pickle: ``load_metadata`` builds only the classes DCP's metadata is made of
+(checked against sync, thread and process saves, FSDP2 on one and two ranks, local and fsspec
+storage), refusing anything else with ``UnsafeCheckpointError``, for ``layout.py`` and the
+load's readers. docs/RESUMING.md, "Trusting a checkpoint".
 """
 
 from __future__ import annotations
@@ -60,11 +57,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def load_metadata(data: bytes | io.BufferedIOBase | Any, where: str) -> Metadata:
-    """Unpickle DCP metadata, allowing only the classes it is made of.
-
-    ``where`` names the file in messages. Raises UnsafeCheckpointError for anything
-    else (nothing of it is built), including a pickle that is not DCP metadata at all.
-    """
+    """Unpickle DCP metadata (``where`` names the file in messages), allowing only its
+    classes: UnsafeCheckpointError for anything else, or a pickle that is not DCP metadata."""
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
     try:
         metadata = _MetadataUnpickler(stream, where).load()

@@ -1,11 +1,10 @@
 """Storage that cannot be reached: wait out a passing outage within a bound, and end
 every command's storage error in one sentence and a documented status.
 
-An outage (connection refused, a timeout, the service unavailable) is retried with a
-backoff of 1, 2, 4, 8, 15, then 30 s until ``checkpoint.storage_retry_s`` has passed;
-then the command ends with ``NOT_SAVED`` (73, "run again": every launch file retries
-it). A refusal (wrong or missing credentials, no such bucket, permission denied) is not
-retried: ``BAD_INPUT`` (2), since running again cannot fix it.
+An outage is retried (``BACKOFF_S``) until ``checkpoint.storage_retry_s`` has passed, then
+ends the command with ``NOT_SAVED`` (73, "run again"); a refusal (credentials, no such
+bucket, permission denied) at once with ``BAD_INPUT`` (2). docs/RECOVERY.md, "Storage that
+cannot be reached".
 """
 
 from __future__ import annotations

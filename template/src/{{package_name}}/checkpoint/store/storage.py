@@ -1,13 +1,14 @@
 """Where checkpoint bytes live, behind one small interface: a local (or network-mounted)
 filesystem, or an object store through fsspec; their probe before anything is built.
 
-Everything above this module speaks in names relative to the checkpoint root. Only a
-filesystem renames a directory atomically, which is why a checkpoint counts once its
-``commit.json``, written last, is there (docs/RESUMING.md).
+Everything above speaks in names relative to the checkpoint root. Only a filesystem renames
+a directory atomically: a checkpoint counts once its ``commit.json``, written last, is there
+(docs/RESUMING.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -36,8 +37,7 @@ class LocalStorage:
     atomic_rename = True
 
     def __init__(self, root: str | os.PathLike) -> None:
-        root = str(root)
-        self.root = Path(root.removeprefix("file://"))
+        self.root = Path(str(root).removeprefix("file://"))
 
     def __str__(self) -> str:
         return str(self.root)
@@ -66,8 +66,7 @@ class LocalStorage:
 
     def list_files(self, name: str) -> dict[str, int]:
         """Files of a directory with their sizes."""
-        directory = self.root / name
-        return {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file()}
+        return {p.name: p.stat().st_size for p in (self.root / name).iterdir() if p.is_file()}
 
     def read_text(self, name: str) -> str:
         return (self.root / name).read_text(encoding="utf-8")
@@ -129,10 +128,8 @@ class LocalStorage:
         except StorageError:
             raise
         except OSError as exc:
-            try:
+            with contextlib.suppress(OSError):
                 probe.unlink(missing_ok=True)
-            except OSError:
-                pass
             raise StorageError(f"{where} is not usable: {step}: {os_cause(exc)}") from None
 
     @staticmethod
@@ -147,10 +144,8 @@ class LocalStorage:
 class FsspecStorage:
     """A checkpoint root in an object store (s3://, gs://, az://, ...) through fsspec.
 
-    Objects appear whole or not at all, but there is no atomic rename of a "directory":
-    shards are written straight into ``step_<n>/`` and ``commit.json`` alone decides.
-    Credentials and endpoints come from the usual environment (AWS_*, GOOGLE_*, ...).
-    """
+    No "directory" renames atomically: shards go straight into ``step_<n>/`` and
+    ``commit.json`` alone decides. Credentials come from the environment (AWS_*, ...)."""
 
     atomic_rename = False
 
@@ -201,16 +196,12 @@ class FsspecStorage:
         raise NotImplementedError("object stores have no atomic rename")
 
     def remove_tree(self, name: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._key(name), recursive=True)
-        except FileNotFoundError:
-            pass
 
     def remove_file(self, name: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._key(name))
-        except FileNotFoundError:
-            pass
 
     def writer(self, name: str) -> StorageWriter:
         from .checksummed_fsspec import ObjectStoreWriter  # over DCP's FsspecWriter
@@ -229,10 +220,9 @@ class FsspecStorage:
         name = f".probe-{socket.gethostname()}-{os.getpid()}"
         step = "cannot list it"
         try:
-            try:
+            # An empty prefix is FileNotFoundError; the write below tells a missing bucket apart.
+            with contextlib.suppress(FileNotFoundError):
                 self.fs.ls(self._root, detail=False, refresh=True)
-            except FileNotFoundError:
-                pass  # an empty prefix; the write below tells a missing bucket apart
             step = "cannot write an object to it"
             self.fs.pipe_file(self._key(name), b"probe\n")
             step = "cannot read back an object written to it"
@@ -249,13 +239,8 @@ Storage = LocalStorage | FsspecStorage
 
 
 def probe(storage: Storage, needed_bytes: int | None = None, detail: str = "") -> None:
-    """Refuse storage that cannot hold checkpoints, before anything is built.
-
-    Raises StorageError with one sentence naming checkpoint.dir and the cause: not a
-    directory, read-only, permission denied, a rename that fails, less free space than
-    ``needed_bytes`` (skipped when None; ``detail`` says how it was estimated), missing
-    credentials or bucket.
-    """
+    """StorageError (one sentence: checkpoint.dir and the cause) for storage that cannot hold
+    checkpoints, or has less free space than ``needed_bytes`` (``detail``: how estimated)."""
     storage.probe()
     check_space(storage, needed_bytes, detail)
 
