@@ -64,7 +64,13 @@ def test_training_steps_are_unaffected_while_a_save_is_in_flight(probe):
     typical = statistics.median(clean)
     assert started[0] < typical + 0.2 * DELAY_S, steps
     assert len(in_flight) >= 3, steps            # the save really was written meanwhile
-    assert max(in_flight) < typical + 0.2 * DELAY_S, steps
+    # The slow storage sleeps DELAY_S in the write: a write on the training path would put
+    # all of it into one step. Every in-flight step but the largest stays near the clean
+    # steps; the largest may also carry a hiccup of a loaded machine (a torch leg runs 3
+    # suites on 2 cores: one step of 0.84 s seen), never the write.
+    ordered = sorted(in_flight)
+    assert ordered[-1] < typical + 0.5 * DELAY_S, steps
+    assert ordered[-2] < typical + 0.2 * DELAY_S, steps
     # Against the clean steps' upper quartile: their spread is this machine's load,
     # which moved between the two windows (a torch leg runs 3 suites on 2 cores).
     slow_clean = statistics.quantiles(clean, n=4)[2]
