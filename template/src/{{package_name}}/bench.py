@@ -2,8 +2,6 @@
 
 The command `python -m <package>.bench`; its code and usage are in `tools/bench.py`."""
 
-import sys
-
 from .runtime import lifeline
 
 if __name__ == "__main__":
@@ -16,4 +14,4 @@ elif __name__ == "__mp_main__":  # DCP's checkpoint process, spawned by this com
 from .tools.bench import main  # after the parent watch
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -2,9 +2,7 @@
 
 The command `python -m <package>.export`; its code and usage are in `tools/export.py`."""
 
-import sys
-
 from .tools.export import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -2,9 +2,7 @@
 
 The command `python -m <package>.goodput`; its code and usage are in `ledger/command.py`."""
 
-import sys
-
 from .ledger.command import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -2,9 +2,7 @@
 
 The command `python -m <package>.memcheck`; its code and usage are in `tools/memcheck.py`."""
 
-import sys
-
 from .tools.memcheck import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -2,9 +2,7 @@
 
 The command `python -m <package>.plan`; its code and usage are in `tools/plan.py`."""
 
-import sys
-
 from .tools.plan import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

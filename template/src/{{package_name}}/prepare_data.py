@@ -2,9 +2,7 @@
 
 The command `python -m <package>.prepare_data`; its code and usage are in tools/prepare_data.py."""
 
-import sys
-
 from .tools.prepare_data import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -2,9 +2,7 @@
 
 The command `python -m <package>.soak`; its code and usage are in `ledger/soak.py`."""
 
-import sys
-
 from .ledger.soak import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -2,8 +2,6 @@
 
 The command `python -m <package>.train`; its code and usage are in `loop/job.py`."""
 
-import sys
-
 from .runtime import lifeline
 
 if __name__ == "__main__":  # a stop signal during the imports below is kept, not fatal
@@ -22,4 +20,4 @@ elif __name__ == "__mp_main__":  # DCP's checkpoint process, spawned by this com
 from .loop.job import main  # after the hold
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

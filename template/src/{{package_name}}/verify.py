@@ -2,9 +2,7 @@
 
 The command `python -m <package>.verify`; its code and usage are in `tools/verify.py`."""
 
-import sys
-
 from .tools.verify import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

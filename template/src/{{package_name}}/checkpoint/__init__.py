@@ -10,22 +10,14 @@ Names are looked up when first used (PEP 562), so the commands that import only 
 
 from importlib import import_module
 
-_WHERE = {
-    "CheckpointRefused": ".checkpointer",
-    "Checkpointer": ".checkpointer",
-    "StepDecision": ".checkpointer",
-    "TrainingState": ".checkpointer",
-    "CheckpointUnusable": ".load.restore",
-    "IncompatibleCheckpoint": ".load.restore",
-    "SavePipeline": ".save.pipeline",
-    "SaveResult": ".save.commit",
-    "Committed": ".store.layout",
-    "list_committed": ".store.layout",
-    "newest_complete_checkpoint": ".store.layout",
-    "step_name": ".store.layout",
-    "LocalStorage": ".store.storage",
-    "open_storage": ".store.storage",
-}
+_WHERE = {name: module for module, names in {
+    ".checkpointer": ("CheckpointRefused", "Checkpointer", "StepDecision", "TrainingState"),
+    ".load.restore": ("CheckpointUnusable", "IncompatibleCheckpoint"),
+    ".save.pipeline": ("SavePipeline",),
+    ".save.commit": ("SaveResult",),
+    ".store.layout": ("Committed", "list_committed", "newest_complete_checkpoint", "step_name"),
+    ".store.storage": ("LocalStorage", "open_storage"),
+}.items() for name in names}
 
 def __getattr__(name: str):
     if name not in _WHERE:

@@ -60,7 +60,6 @@ class Checkpointer:
         self._policy: SavePolicy | None = None
         self._start_step, self._warm = 0, False
 
-    # ------------------------------------------------------------------ start --
     @classmethod
     def open(cls, cfg: Config, runtime: Runtime, metrics: MetricsLog, boundary: StepBoundary,
              *, allow: Callable[[float], contextlib.AbstractContextManager] | None = None,
@@ -79,12 +78,12 @@ class Checkpointer:
             raise CheckpointRefused(str(exc)) from None
         lease = (Lease(storage, stale_s=ckpt.lease_stale_s, wait_s=ckpt.lease_wait_s)
                  if runtime.is_main else None)
-        refused = decide_on_rank0(lambda: _take(lease))
-        if refused is not None:
+        if (refused := decide_on_rank0(lambda: _take(lease))) is not None:
             raise CheckpointRefused(refused)
         pipeline = SavePipeline(storage, mode=ckpt.async_mode, keep_last=ckpt.keep_last,
                                     is_coordinator=runtime.is_main, device=runtime.device,
-                                    lease=lease, verify=ckpt.verify, best=best_rule(cfg))
+                                    lease=lease, verify=ckpt.verify,
+                                    best=BestRule(ckpt.keep_best, ckpt.best_metric, ckpt.best_mode))
         try:
             pipeline.prepare()
             newest = decide_on_rank0(lambda: _newest_step(pipeline))
@@ -129,10 +128,9 @@ class Checkpointer:
         memory = self.memory.newest_own_step() if self.memory is not None else None
         return max([s for s in (self._newest_step, memory) if s is not None], default=None)
 
-    # ------------------------------------------------------------- each step --
     def maybe_wait_for_staging(self) -> None:
         """Before the optimizer step: the staged copy of a save in flight is complete."""
-        self._saves().before_optimizer_step()
+        self._saves().pipeline.wait_staged()
 
     def at_step_end(self, step: int, *, last_step: bool = False) -> StepDecision:
         """After ``step``: commit what finished, vote, then save, stop (saving if the grace
@@ -153,16 +151,14 @@ class Checkpointer:
             self.memory.save(step, self._training.state(), self._training.commit_record())
         return dataclasses.replace(decision, newest=policy.describe_newest())
 
-    # ------------------------------------------------------------------- end --
     def close(self, step: int, last: StepDecision) -> StepDecision:
         """Finish the save in flight (bounded), free its buffers; the verdict: ``last`` if
         the loop stopped, else "finished" if ``step`` is committed, else "not_saved"."""
         policy = self._saves()
         with self._allowance(False):
             policy.finish(self.boundary)
-        newest = policy.newest_step
-        newest = f"step {newest}" if newest is not None else "none"
-        committed = decide_on_rank0(lambda: policy.committed(step))
+        newest = "none" if policy.newest_step is None else f"step {policy.newest_step}"
+        committed = decide_on_rank0(lambda: policy.newest_step == step)  # rank 0 knows
         if self.memory is not None:   # freed once the final state is durable
             self.memory.close(free_copies=committed)
         if last.stop:
@@ -229,11 +225,6 @@ class Checkpointer:
         bound = self.boundary.grace_period_s if at_stop else self.cfg.checkpoint.wait_timeout_s
         return self._allow(bound + (4 * estimate if estimate > 0
                                     else self.cfg.recovery.first_step_timeout_s))
-
-
-def best_rule(cfg: Config) -> BestRule:
-    """checkpoint.keep_best, best_metric and best_mode as the layout applies them."""
-    return BestRule(cfg.checkpoint.keep_best, cfg.checkpoint.best_metric, cfg.checkpoint.best_mode)
 
 
 def _take(lease: Lease | None) -> str | None:

@@ -54,10 +54,8 @@ def _skip_reason(newest: int | None, step: int, deadline: float, estimate: float
         return "no step trained yet"
     if drain_timed_out:
         return "finishing the save in flight used up the grace period"
-    remaining = deadline - time.time()
-    if remaining < estimate:
-        return (f"{remaining:.2f} s of grace left, a save takes about {estimate:.2f} s "
-                f"(measured)")
+    if (remaining := deadline - time.time()) < estimate:
+        return f"{remaining:.2f} s of grace left, a save takes about {estimate:.2f} s (measured)"
     return None
 
 
@@ -68,7 +66,7 @@ def stop(policy: SavePolicy, step: int, requested_at: float, boundary: StepBound
     grace = boundary.grace_period_s
     deadline = requested_at + grace
     source, source_rank, detail, rank_steps = boundary.agreed_source(step)
-    in_flight_step = policy.in_flight_step
+    in_flight_step = policy.pipeline.in_flight_step
     what = ("interrupted by the user (Ctrl-C; press it again to exit without a final save)"
             if source == "SIGINT" else source)
     what += f" on rank {source_rank}" if len(rank_steps) > 1 else ""
@@ -111,11 +109,10 @@ def stop(policy: SavePolicy, step: int, requested_at: float, boundary: StepBound
         save_estimate_s=estimate, signal_to_commit_s=to_commit,
         grace_period_s=grace, grace_left_s=grace_left, resume_step=resume_step,
         signals_received=boundary.signals_received)
-    if final is not None:
-        outcome = f"checkpoint step {step} committed {to_commit:.2f} s after the request"
-    else:
-        outcome = (f"no final checkpoint ({skip}); a restart resumes from "
-                   f"{'step ' + str(resume_step) if resume_step is not None else 'scratch'}")
+    resumes = f"step {resume_step}" if resume_step is not None else "scratch"
+    outcome = (f"checkpoint step {step} committed {to_commit:.2f} s after the request"
+               if final is not None
+               else f"no final checkpoint ({skip}); a restart resumes from {resumes}")
     left = (f"{grace_left:.1f} s of grace left" if grace_left >= 0
             else f"{-grace_left:.2f} s past the grace period")
     policy.metrics.say(f"stopped at step {step}: {outcome}; {left}")

@@ -10,7 +10,6 @@ synchronous; failing saves end training (``failed_saves.py``). docs/PREEMPTION.m
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,8 +26,6 @@ from .failed_saves import FailedSaves
 from .final_save import StepBoundary
 from .save.pipeline import SavePipeline, SaveResult
 from .store.layout import Committed
-
-log = logging.getLogger(__name__)
 
 WAIT_SLICE_S = 0.1  # how often a wait for the previous save looks for a stop request
 # A save in flight longer than OVERDUE_MIN_S and OVERDUE_FACTOR x the newest write is
@@ -72,7 +69,6 @@ class SavePolicy:
         self._starting = False   # the checkpoint process is starting (``warm_up``)
         self._warm_up_began = 0.0
 
-    # ------------------------------------------------------------ each step --
     def due(self, step: int) -> bool:
         return step == self.final_step or step % self.interval_steps == 0
 
@@ -172,10 +168,6 @@ class SavePolicy:
         self.metrics.say(f"{why}: saving synchronously from now on")
         self.metrics.event(Event.save_mode_changed, step=step, mode="sync", reason=why)
 
-    def before_optimizer_step(self) -> None:
-        """The staged copy of an in-flight save must be complete before weights change."""
-        self.pipeline.wait_staged()
-
     def _finish_previous(self, boundary: StepBoundary, *, stop_ends_wait: bool = True,
                          defer: bool = False) -> tuple[float, bool]:
         """Wait, on every rank together, for the save in flight: until it is written on
@@ -189,10 +181,8 @@ class SavePolicy:
         while True:
             age = self.pipeline.in_flight_s
             if self.pipeline.in_flight and age <= overdue_s:
-                try:
+                with contextlib.suppress(TimeoutError):
                     self._report(self.pipeline.wait(timeout=WAIT_SLICE_S))
-                except TimeoutError:
-                    pass
             waited = time.perf_counter() - began
             pending, stop, failed, too_long, overdue = any_rank(
                 self.pipeline.in_flight, stop_ends_wait and boundary.requested,
@@ -233,15 +223,7 @@ class SavePolicy:
         self._finish_previous(boundary, stop_ends_wait=False)
         self._report(self.pipeline.close())
 
-    def committed(self, step: int) -> bool:
-        """Whether ``step`` is the newest committed checkpoint (rank 0 knows)."""
-        return self.newest_step == step
-
     # -------------------------------------------------------- for the stop --
-    @property
-    def in_flight_step(self) -> int | None:
-        return self.pipeline.in_flight_step
-
     def drain(self, timeout: float) -> tuple[SaveResult | None, bool]:
         """Commit the save in flight within ``timeout`` s, else abandon it; (result, timed out)."""
         try:
@@ -275,7 +257,6 @@ class SavePolicy:
             return float(record.get("write_s", record.get("commit_latency_s", 0.0)))
         return 0.0
 
-    # ------------------------------------------------------------- reporting --
     def describe_newest(self) -> str:
         last = self.pipeline.last_committed
         if last is not None:

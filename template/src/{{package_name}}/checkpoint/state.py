@@ -33,13 +33,9 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
                    progress: Progress, rng: RankRNG | None) -> dict[str, Stateful]:
     """Everything a checkpoint holds, as DCP sees it: one key per part."""
-    state: dict[str, Stateful] = {"app": ModelAndOptimizer(model, optimizer),
-                                  "progress": progress}
-    if scheduler is not None:
-        state["scheduler"] = Scheduler(scheduler)
-    if rng is not None:
-        state["rng"] = rng
-    return state
+    state = {"app": ModelAndOptimizer(model, optimizer), "progress": progress,
+             "scheduler": Scheduler(scheduler) if scheduler is not None else None, "rng": rng}
+    return {key: part for key, part in state.items() if part is not None}
 
 
 class ModelAndOptimizer(Stateful):
@@ -91,11 +87,8 @@ class ModelAndOptimizer(Stateful):
             saved.update({k: v for k, v in group.items() if k != "params"}, params=names)
             for param, name in zip(group["params"], names):
                 live, kept = self.optimizer.state.get(param), optim_state["state"].get(name)
-                if live is None or kept is None:
-                    continue
-                for key, value in live.items():
-                    if not isinstance(value, torch.Tensor):
-                        kept[key] = value
+                if live is not None and kept is not None:
+                    kept.update((k, v) for k, v in live.items() if not isinstance(v, torch.Tensor))
         return True
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -110,9 +103,7 @@ class Scheduler(Stateful):
         self.scheduler = scheduler
 
     def state_dict(self) -> dict[str, Any]:
-        state = dict(self.scheduler.state_dict())
-        state.pop("lr_lambdas", None)
-        return state
+        return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state_dict})

@@ -23,8 +23,7 @@ MOVED_KEYS = {"data.num_workers": "loader.num_workers",
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read YAML (``configs/train.yaml`` by default) and apply ``key=value`` overrides;
-    ConfigError names the offending key."""
+    """configs/train.yaml (or ``path``) with ``key=value`` overrides; ConfigError names the key."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found (pass --config PATH)")
@@ -40,11 +39,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     except UnreadableConfig as exc:
         raise ConfigError(str(exc)) from None
     try:
-        merged = OmegaConf.merge(
-            OmegaConf.structured(Config),
-            values,
-            OmegaConf.from_dotlist(list(overrides)),
-        )
+        merged = OmegaConf.merge(OmegaConf.structured(Config), values,
+                                 OmegaConf.from_dotlist(list(overrides)))
         _move_old_keys(merged)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
@@ -68,10 +64,8 @@ def _move_old_keys(merged: Any) -> None:
 
 def _check_override_key(key: str) -> None:
     """Name the section of a key given without one (``max_steps`` -> ``train.max_steps``)."""
-    if "." in key:
-        return
     sections = [f.name for f in dataclasses.fields(Config)]
-    if key in sections:
+    if "." in key or key in sections:
         return
     owners = [f.name for f in dataclasses.fields(Config) if f.name not in TASK_SECTIONS
               and key in {g.name for g in dataclasses.fields(f.default_factory())}]

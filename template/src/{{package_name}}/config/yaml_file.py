@@ -35,11 +35,8 @@ def conflict_lines(text: str) -> list[int]:
 
 def shown(path: Path) -> str:
     """``path`` as the user would write it: relative to the working directory when under it."""
-    if path.is_absolute():
-        try:
-            return str(path.relative_to(Path.cwd()))
-        except ValueError:
-            pass
+    if path.is_absolute() and path.is_relative_to(Path.cwd()):
+        return str(path.relative_to(Path.cwd()))
     return str(path)
 
 
@@ -53,8 +50,7 @@ def read_yaml(path: Path) -> DictConfig:
                                "UTF-8") from None
     except OSError as exc:
         raise UnreadableConfig(f"{where} cannot be read: {exc.strerror or exc}") from None
-    markers = conflict_lines(text)
-    if markers:
+    if markers := conflict_lines(text):
         count = (f" ({len(markers)} marker lines: {', '.join(map(str, markers[:12]))}"
                  f"{', ...' if len(markers) > 12 else ''})" if len(markers) > 1 else "")
         raise UnreadableConfig(f"{where} line {markers[0]}: a merge-conflict marker left by "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .. import PACKAGE
-from ..config import ConfigError
+from ..config import ConfigError, require
 
 INDEX_FILE = "index.json"
 FORMAT = "resumable-tokens"
@@ -48,13 +49,12 @@ class TokenConfig:
     eval_fraction: float = 0.05  # the last samples, held out for evaluation (0 = none)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.eval_fraction < 1:
-            raise ConfigError(f"data.eval_fraction must be in [0, 1) (got {self.eval_fraction!r})")
+        require(0 <= self.eval_fraction < 1, "data.eval_fraction", "must be in [0, 1)",
+                self.eval_fraction)
         if not self.path:
             raise ConfigError(f"data.kind=tokens needs data.path: a directory written by "
                               f"`{PREPARE}`")
-        if self.seq_len < 2:
-            raise ConfigError(f"data.seq_len must be >= 2 (got {self.seq_len!r})")
+        require(self.seq_len >= 2, "data.seq_len", "must be >= 2", self.seq_len)
 
 
 def read_index(directory: str | os.PathLike) -> dict[str, Any]:
@@ -94,9 +94,8 @@ class TokenWindows(Dataset):
         self.dtype = np.dtype(DTYPES[self.index["dtype"]])
         files = [f for f in self.index["files"] if f["tokens"] > 0]
         self.names = [f["name"] for f in files]
-        self.starts = [0]                     # stream offset of each file's first token
-        for entry in files:
-            self.starts.append(self.starts[-1] + entry["tokens"])
+        # The stream offset of each file's first token, then the total.
+        self.starts = [0, *itertools.accumulate(f["tokens"] for f in files)]
         self.total_tokens = self.starts[-1]
         self.vocab_size = int(self.index["vocab_size"])
         self._files: list[int] | None = None  # opened on first use, in each process

@@ -73,8 +73,8 @@ def min_saving_and_rework(inputs: Inputs) -> float:
 
 def min_badput(inputs: Inputs) -> float:
     """A floor no interval can beat (restart and commit latency do not depend on τ)."""
-    restart_and_commit = inputs.restart_seconds + inputs.commit_latency_seconds
-    return min_saving_and_rework(inputs) + restart_and_commit / inputs.mtbi_seconds
+    return (min_saving_and_rework(inputs)
+            + (inputs.restart_seconds + inputs.commit_latency_seconds) / inputs.mtbi_seconds)
 
 
 def target_window_seconds(inputs: Inputs) -> tuple[float, float] | None:
@@ -113,8 +113,6 @@ def simple_bound_steps(inputs: Inputs) -> int | None:
 
 @dataclass(frozen=True)
 class Plan:
-    """The checkpoint interval plan for one set of inputs."""
-
     inputs: Inputs
     young_interval_seconds: float
     daly_interval_seconds: float
@@ -136,9 +134,8 @@ class Plan:
     @property
     def expected_badput_with_in_place(self) -> float | None:
         """B - S: the plan's badput when crashes are restarted in place."""
-        if self.in_place_saving is None:
-            return None
-        return self.expected_badput - self.in_place_saving
+        saving = self.in_place_saving
+        return None if saving is None else self.expected_badput - saving
 
     @property
     def interval_seconds(self) -> float:
@@ -182,9 +179,8 @@ def make_plan(inputs: Inputs, in_place_restart_seconds: float | None = None) -> 
 # The two tiers: the same rule as above, includes/plan.jinja repeats these expressions.
 def memory_share(inputs: Inputs) -> float:
     """a: the share of interruptions the memory tier covers, c + ν (c on one node)."""
-    if inputs.nodes >= 2:
-        return inputs.crash_share + inputs.node_loss_share
-    return inputs.crash_share
+    c = inputs.crash_share
+    return c + inputs.node_loss_share if inputs.nodes >= 2 else c
 
 
 def job_loss_share(inputs: Inputs) -> float:
@@ -194,9 +190,7 @@ def job_loss_share(inputs: Inputs) -> float:
 
 def durable_share(inputs: Inputs) -> float:
     """1 - a: the interruptions that fall back to the durable save with the memory tier on."""
-    if inputs.nodes >= 2:
-        return job_loss_share(inputs)
-    return max(0.0, 1 - inputs.crash_share)
+    return job_loss_share(inputs) if inputs.nodes >= 2 else max(0.0, 1 - inputs.crash_share)
 
 
 def two_tier_badput(tau_d: float, tau_m: float | None, inputs: Inputs,
@@ -221,17 +215,15 @@ def two_tier_badput(tau_d: float, tau_m: float | None, inputs: Inputs,
 def memory_interval_seconds(inputs: Inputs) -> float | None:
     """τ_m* = Daly(δ_m, M/a); None when the memory tier covers no interruption (a = 0)."""
     share = memory_share(inputs)
-    if share <= 0:
-        return None
-    return daly_interval(inputs.memory_blocking, inputs.mtbi_seconds / share)
+    return (None if share <= 0
+            else daly_interval(inputs.memory_blocking, inputs.mtbi_seconds / share))
 
 
 def durable_interval_seconds_with_memory(inputs: Inputs) -> float | None:
     """τ_d* = Daly(δ, M/(1-a)), re-optimised for the job losses; None without any."""
     share = durable_share(inputs)
-    if share < SHARE_SLACK:
-        return None
-    return daly_interval(inputs.blocking_seconds, inputs.mtbi_seconds / share)
+    return (None if share < SHARE_SLACK
+            else daly_interval(inputs.blocking_seconds, inputs.mtbi_seconds / share))
 
 
 def shortest_memory_interval_steps(inputs: Inputs) -> int:
@@ -243,9 +235,7 @@ def shortest_memory_interval_steps(inputs: Inputs) -> int:
 def break_even_memory_blocking(inputs: Inputs) -> float | None:
     """δ(1-√(1-a))²/a: below this δ_m the memory tier pays, to first order; None if a = 0."""
     a, b = memory_share(inputs), durable_share(inputs)
-    if a <= 0:
-        return None
-    return inputs.blocking_seconds * (1 - b**0.5) ** 2 / a
+    return None if a <= 0 else inputs.blocking_seconds * (1 - b**0.5) ** 2 / a
 
 
 # (own, partner's) shards each rank keeps in memory with the tier on: two slots each, kept once
@@ -343,10 +333,9 @@ def make_two_tier(plan: Plan, memory_interval_steps: int = 0,
         kinds.append(FailureKind(kind, share, keeps, restart, durable_without, with_,
                                  share * (restart + durable_without) / i.mtbi_seconds,
                                  share * (restart + with_) / i.mtbi_seconds))
-    configured = None
     durable_conf = n if durable_interval_steps is None else durable_interval_steps
-    if memory_interval_steps > 0:
-        configured = two_tier_badput(durable_conf * step, memory_interval_steps * step, i, r_in)
+    configured = (two_tier_badput(durable_conf * step, memory_interval_steps * step, i, r_in)
+                  if memory_interval_steps > 0 else None)
     return TwoTierPlan(
         plan=plan, in_place_restart_seconds=r_in, memory_share=memory_share(i),
         durable_share=durable_share(i),

@@ -45,9 +45,8 @@ class Inputs:
     @property
     def memory_blocking(self) -> float:
         """δ_m: the memory save's stall, the durable save's blocking time δ unless given."""
-        if self.memory_blocking_seconds is None:
-            return self.blocking_seconds
-        return self.memory_blocking_seconds
+        given = self.memory_blocking_seconds
+        return self.blocking_seconds if given is None else given
 
     @property
     def memory_commit_latency(self) -> float:
@@ -169,10 +168,9 @@ def read_metrics(path: str | os.PathLike) -> Measured:
         raise MetricsError(f"{path}: no such file (training writes it to <log.dir>/{METRICS_FILE})")
     step_times: list[float] = []
     saves: list[tuple[str, float, float, bool]] = []  # reason, blocking, latency, warm-up
-    first_save_of_run = True
     in_place: list[float] = []
     memory: list[tuple[float, float]] = []   # stall, commit + send
-    first_memory_of_run = True
+    first_save_of_run = first_memory_of_run = True
     events, skipped = read_events(path, Event.start, Event.step, Event.save, Event.recovered,
                                   Event.memory_save)
     for record in events:
@@ -184,8 +182,7 @@ def read_metrics(path: str | os.PathLike) -> Measured:
                                float(record["commit_s"]) + float(record["replicate_s"])))
             first_memory_of_run = False
         elif kind == Event.recovered:
-            if record.get("in_place") is True and _is_number(record.get(
-                    "failure_to_first_step_s")):
+            if record.get("in_place") is True and _is_number(record.get("failure_to_first_step_s")):
                 in_place.append(float(record["failure_to_first_step_s"]))
         elif kind == Event.start:
             first_save_of_run = first_memory_of_run = True
@@ -199,8 +196,7 @@ def read_metrics(path: str | os.PathLike) -> Measured:
             # The loop's wait for the previous save is on the training path too.
             waited = record.get("waited_s", 0.0)
             blocking = float(blocking) + (float(waited) if _is_number(waited) else 0.0)
-            saves.append((str(record.get("reason")), blocking, float(latency),
-                          first_save_of_run))
+            saves.append((str(record.get("reason")), blocking, float(latency), first_save_of_run))
             first_save_of_run = False
     if not step_times:
         raise MetricsError(f"{path}: no step events with step_time_s; "

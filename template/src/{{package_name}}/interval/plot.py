@@ -13,8 +13,8 @@ class PlotUnavailable(RuntimeError):
     pass
 
 
-def plot_badput(plan: Plan, path: str | os.PathLike) -> None:
-    """Write B against the interval, with the recommendation and the target marked (PNG or SVG)."""
+def new_figure(width: float, height: float):
+    """A matplotlib Figure on the Agg canvas; PlotUnavailable without matplotlib."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -22,7 +22,13 @@ def plot_badput(plan: Plan, path: str | os.PathLike) -> None:
         raise PlotUnavailable("--plot needs matplotlib, the project's `plot` extra: "
                               "python -m pip install -e '.[plot]' (in the project "
                               "directory)") from exc
+    figure = Figure(figsize=(width, height))
+    FigureCanvasAgg(figure)
+    return figure
 
+
+def plot_badput(plan: Plan, path: str | os.PathLike) -> None:
+    """Write B against the interval, with the recommendation and the target marked (PNG or SVG)."""
     i = plan.inputs
     lowest = plan.shortest_interval_steps
     highest = max(4 * plan.interval_steps, lowest + 10,
@@ -31,21 +37,16 @@ def plot_badput(plan: Plan, path: str | os.PathLike) -> None:
     count = 400
     ratio = (highest / lowest) ** (1 / (count - 1))
     steps = sorted({round(lowest * ratio**k) for k in range(count)} | {plan.interval_steps})
-    curves = {"total": [], "saving": [], "interruptions": []}
-    for n in steps:
-        parts = badput_components(n * i.step_seconds, i)
-        curves["total"].append(100 * badput(n * i.step_seconds, i))
-        curves["saving"].append(100 * parts["saving"])
-        curves["interruptions"].append(100 * (parts["rework"] + parts["commit_latency"]
-                                              + parts["restart"]))
+    parts = [badput_components(n * i.step_seconds, i) for n in steps]
 
-    fig = Figure(figsize=(10, 4.5))
-    FigureCanvasAgg(fig)
+    fig = new_figure(10, 4.5)
     ax = fig.add_subplot()
-    ax.plot(steps, curves["total"], color="black", label="expected badput B(N·T)")
-    ax.plot(steps, curves["saving"], "--", color="tab:blue", label="saving δ/(τ+δ)")
-    ax.plot(steps, curves["interruptions"], ":", color="tab:orange",
-            label="interruptions (R + (τ+δ)/2 + L)/M")
+    ax.plot(steps, [100 * badput(n * i.step_seconds, i) for n in steps], color="black",
+            label="expected badput B(N·T)")
+    ax.plot(steps, [100 * p["saving"] for p in parts], "--", color="tab:blue",
+            label="saving δ/(τ+δ)")
+    ax.plot(steps, [100 * (p["rework"] + p["commit_latency"] + p["restart"]) for p in parts],
+            ":", color="tab:orange", label="interruptions (R + (τ+δ)/2 + L)/M")
     ax.axhline(i.badput_target_percent, color="tab:red", linewidth=0.8,
                label=f"target {i.badput_target_percent:g} %")
     ax.plot([plan.interval_steps], [100 * plan.expected_badput], "o", color="tab:green",
@@ -58,8 +59,7 @@ def plot_badput(plan: Plan, path: str | os.PathLike) -> None:
         ax.axvline(plan.simple_bound_steps, color="grey", linestyle="-.", linewidth=0.8,
                    label=f"simplified bound: {plan.simple_bound_steps} steps")
     ax.set_xscale("log")
-    top = max(3 * i.badput_target_percent, 3 * 100 * plan.expected_badput)
-    ax.set_ylim(0, min(100.0, top))
+    ax.set_ylim(0, min(100.0, max(3 * i.badput_target_percent, 3 * 100 * plan.expected_badput)))
     ax.set_xlabel(f"checkpoint interval N (steps of {i.step_seconds:g} s)")
     ax.set_ylabel("badput (% of machine time)")
     nodes = "" if i.nodes == 1 else f" ({i.mtbi_hours:g} h / {i.nodes} nodes)"

@@ -36,13 +36,7 @@ def explain_unreachable(plan: Plan, lang: str = "en") -> str | None:
     return text["unreachable_grain"].format(lo=window[0], hi=window[1], step=i.step_seconds)
 
 
-# Why the source article's simplified bound underestimates the cost of saving often.
-SIMPLE_BOUND_NOTE = ("it charges one save per interruption instead of one per interval, so it "
-                     "never counts what saving often costs and only caps the interval from above")
-
-
 def format_plan(plan: Plan) -> str:
-    """The plan as a few lines for people."""
     i, c = plan.inputs, plan.components
     lines = [
         "Checkpoint plan",
@@ -71,7 +65,8 @@ def format_plan(plan: Plan) -> str:
     bound = plan.simple_bound_steps
     lines.append("  simplified bound N <= 2(target·M - δ)/T: "
                  + (f"{bound} steps" if bound is not None else "no interval (below one step)")
-                 + f"; {SIMPLE_BOUND_NOTE}")
+                 + "; it charges one save per interruption instead of one per interval, so it "
+                 "never counts what saving often costs and only caps the interval from above")
     return "\n".join(lines)
 
 
@@ -79,9 +74,8 @@ def mtbi_text(i: Inputs, lang: str = "en") -> str:
     """The job's MTBI and where it comes from: one node's MTBI and the node count."""
     text = TEXT[lang]
     job = text["mtbi"].format(hours=i.job_mtbi_hours, seconds=i.mtbi_seconds)
-    if i.nodes == 1:
-        return job
-    return job + text["mtbi_nodes"].format(node=i.mtbi_hours, nodes=i.nodes)
+    nodes = "" if i.nodes == 1 else text["mtbi_nodes"].format(node=i.mtbi_hours, nodes=i.nodes)
+    return job + nodes
 
 
 def in_place_line(plan: Plan, lang: str = "en") -> str:
@@ -93,6 +87,10 @@ def in_place_line(plan: Plan, lang: str = "en") -> str:
         rin=plan.in_place_restart_seconds, r=i.restart_seconds, c=i.crash_share,
         mtbi=i.job_mtbi_hours, s=100 * plan.in_place_saving, b=100 * plan.expected_badput,
         bin=100 * plan.expected_badput_with_in_place)
+
+
+def percent(x: float | None) -> float | None:
+    return None if x is None else 100 * x
 
 
 def to_json(plan: Plan) -> dict:
@@ -121,11 +119,8 @@ def to_json(plan: Plan) -> dict:
         "double_interval_steps": plan.double_interval_steps,
         "badput_percent_at_double_interval": 100 * plan.badput_at_double_interval,
         "in_place_restart_seconds": plan.in_place_restart_seconds,
-        "in_place_saving_percent": (None if plan.in_place_saving is None
-                                    else 100 * plan.in_place_saving),
-        "expected_badput_with_in_place_percent": (
-            None if plan.expected_badput_with_in_place is None
-            else 100 * plan.expected_badput_with_in_place),
+        "in_place_saving_percent": percent(plan.in_place_saving),
+        "expected_badput_with_in_place_percent": percent(plan.expected_badput_with_in_place),
         "inputs": {
             "mtbi_hours": i.mtbi_hours,          # one node's
             "nodes": i.nodes,
@@ -142,19 +137,16 @@ def to_json(plan: Plan) -> dict:
     }
 
 
-KIND_NAMES = {"crash": "crash", "node_loss": "node loss", "job_loss": "job loss"}
 KEEPS = {"node_memory": "the node's memory copy", "partner_copy": "the partner's copy",
          "durable": "the durable save"}
 
 
 def format_two_tier(two: TwoTierPlan) -> str:
-    """The memory tier against durable saves alone, as a few lines for people."""
     p = two.plan
     i, step = p.inputs, p.inputs.step_seconds
     r_in = ("(measured or given)" if p.in_place_restart_seconds is not None
             else "(= R: not measured)")
-    dm = ("(= δ: one copy into host memory)" if i.memory_blocking_seconds is None
-          else "(given)")
+    dm = "(= δ: one copy into host memory)" if i.memory_blocking_seconds is None else "(given)"
     lines = [
         "Two tiers: memory and durable (checkpoint.memory_interval_steps)",
         (f"  inputs: δ_m = {i.memory_blocking:g} s {dm}, L_m = {i.memory_commit_latency:g} s "
@@ -191,7 +183,7 @@ def format_two_tier(two: TwoTierPlan) -> str:
     lines.append(f"    {'kind':<20} {'share':>5}  {'resumes from':<24}  {'restart':>8}  "
                  "work lost (badput) without / with the tier")
     for k in two.failure_kinds:
-        lines.append(f"    {KIND_NAMES[k.kind]:<20} {k.share:5.2f}  {KEEPS[k.keeps]:<24}  "
+        lines.append(f"    {k.kind.replace('_', ' '):<20} {k.share:5.2f}  {KEEPS[k.keeps]:<24}  "
                      f"{k.restart_seconds:6.1f} s  {k.lost_seconds_without:.1f} s "
                      f"({100 * k.badput_without:.2f} %) / {k.lost_seconds_with:.1f} s "
                      f"({100 * k.badput_with:.2f} %)")
@@ -205,10 +197,6 @@ def format_two_tier(two: TwoTierPlan) -> str:
 def two_tier_json(two: TwoTierPlan) -> dict:
     """The two-tier figures as plain data: `plan --json`'s ``two_tier``."""
     i, step = two.plan.inputs, two.plan.inputs.step_seconds
-
-    def percent(x: float | None) -> float | None:
-        return None if x is None else 100 * x
-
     n_m = two.optimal_memory_interval_steps
     return {
         "memory_blocking_seconds": i.memory_blocking,
@@ -252,34 +240,21 @@ def render_measured_section(
     """The checklist's measured section (Markdown) in English ("en") or Chinese ("zh")."""
     text = TEXT[lang]
     i, c = plan.inputs, plan.components
-
-    def planned_value(value: float | None) -> str:
-        return text["unknown"] if value is None else f"{value:g} s"
-
-    rows = [
-        (text["step"], "T", planned.step_seconds if planned else None, measured.step_seconds,
-         text["steps"].format(n=measured.step_count)),
-        (text["blocking"], "δ", planned.blocking_seconds if planned else None,
-         measured.blocking_seconds, text["saves"].format(n=measured.save_count)),
-        (text["latency"], "L", planned.commit_latency_seconds if planned else None,
-         measured.commit_latency_seconds, text["saves"].format(n=measured.save_count)),
-    ]
+    saves = text["saves"].format(n=measured.save_count)
     lines = [f"**{text['title'].format(path=measured.path)}**", "", text["header"],
              "|---|---|---|---|---|"]
-    for name, symbol, planned_s, measured_s, samples in rows:
-        lines.append(f"| {name} | `{symbol}` | {planned_value(planned_s)} | {measured_s:.3g} s | "
+    for name, symbol, field, samples in (
+            ("step", "T", "step_seconds", text["steps"].format(n=measured.step_count)),
+            ("blocking", "δ", "blocking_seconds", saves),
+            ("latency", "L", "commit_latency_seconds", saves)):
+        value = text["unknown"] if planned is None else f"{getattr(planned, field):g} s"
+        lines.append(f"| {text[name]} | `{symbol}` | {value} | {getattr(measured, field):.3g} s | "
                      f"{samples} |")
-    notes = []
-    if measured.save_reason == "all":
-        notes.append(text["reason_all"])
-    if measured.warmup_excluded:
-        notes.append(text["warmup"].format(n=measured.warmup_excluded))
-    if measured.warmup_only:
-        notes.append(text["warmup_only"])
-    if measured.latency_raised:
-        notes.append(text["raised"])
-    if measured.skipped_lines:
-        notes.append(text["skipped"].format(n=measured.skipped_lines))
+    # Each note is shown when its value is true; {n} in a note is that value.
+    notes = [text[key].format(n=value) for key, value in (
+        ("reason_all", measured.save_reason == "all"), ("warmup", measured.warmup_excluded),
+        ("warmup_only", measured.warmup_only), ("raised", measured.latency_raised),
+        ("skipped", measured.skipped_lines)) if value]
     if notes:
         lines += ["", " ".join(notes)]
     lines += [
@@ -300,16 +275,13 @@ def render_measured_section(
         lines.append(text["max_none"].format(reason=explain_unreachable(plan, lang)))
     bound = plan.simple_bound_steps
     lines.append(text["bound"].format(
-        bound=text["bound_none"] if bound is None else text["bound_steps"].format(n=bound)))
+        bound=text["bound_none"] if bound is None else text["steps"].format(n=bound)))
     lines.append("- " + in_place_line(plan, lang))
     if configured_interval_steps is not None:
-        same = configured_interval_steps == plan.interval_steps
-        lines.append(
-            text["configured"].format(
-                n=configured_interval_steps,
-                b=100 * badput(configured_interval_steps * i.step_seconds, i))
-            + (text["same"] if same else text["change"].format(n=plan.interval_steps))
-        )
+        n = configured_interval_steps
+        lines.append(text["configured"].format(n=n, b=100 * badput(n * i.step_seconds, i))
+                     + (text["same"] if n == plan.interval_steps
+                        else text["change"].format(n=plan.interval_steps)))
     return "\n".join(lines) + "\n"
 
 

@@ -47,9 +47,8 @@ def main(argv: list[str]) -> int:
         if argv[0] == WARM_START and os.environ.get(ZYGOTE_ENV):
             watch_me(os.environ[ZYGOTE_ENV])   # resume started it: it ends with this agent
         elif argv[0] == WARM_START:   # first: its imports beside this process's own
-            nproc = next((a.split("=", 1)[1] for a in argv
-                          if a.startswith("--nproc-per-node=")), None)
-            zygote = Started(nproc)
+            zygote = Started(next((a.split("=", 1)[1] for a in argv
+                                   if a.startswith("--nproc-per-node=")), None))
             os.environ[ZYGOTE_ENV] = zygote.path
         else:
             watch_parent(signal.Signals[argv[0][len(ORPHAN_SIGNAL):]])

@@ -8,6 +8,7 @@ killed and named (docs/PREEMPTION.md, the table of processes killed outright).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -45,10 +46,8 @@ class Launch:
             self.proc.send_signal(signum)
         else:
             for pid in self._reap():
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(pid, signum)
-                except OSError:
-                    pass
 
     def wait(self) -> int:
         """The agent's exit status; the orphans of dead workers are reaped meanwhile."""
@@ -62,8 +61,7 @@ class Launch:
         """Reap the launch's processes for at most ``bound_s``, then kill (each whole tree)
         and describe what is left."""
         deadline = time.monotonic() + bound_s
-        running = self._reap()
-        if running:
+        if running := self._reap():
             say(f"waiting up to {bound_s:g} s for the {len(running)} process(es) of this "
                 f"launch still running (pid {', '.join(map(str, running))}): they stop on "
                 "their own once they see their launcher gone")

@@ -44,17 +44,12 @@ from ..runtime.exit_codes import Refused, refusals
 from ..runtime.torch_compat import torch_too_old
 from . import reaper
 from .agent import watched
-from .torchrun import (
-    DEFAULT_RDZV_ID,
-    positive_int,
-    rdzv_conf,
-    shutdown_timeout_s,
-    torchrun_command,
-)
+from .torchrun import DEFAULT_RDZV_ID, positive_int, rdzv_conf, shutdown_timeout_s, torchrun_command
 from .verdict import (
     exit_status,
     node_lost_since,
     preemption_logged_since,
+    say,
     stopped_before_launch,
     training_status_since,
 )
@@ -205,8 +200,7 @@ def main(argv: list[str] | None = None, zygote: Started | None = None) -> int:
     # Warnings go to stderr: stdout stays clean for --dry-run's JSON.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
-    too_old = torch_too_old()
-    if too_old is not None:   # before torchrun, whose options it may not know
+    if (too_old := torch_too_old()) is not None:   # before torchrun, whose options it may not know
         print(f"resume: {too_old}", file=sys.stderr)
         return exit_codes.BAD_INPUT
     where = "checkpoint.dir"
@@ -245,8 +239,7 @@ def main(argv: list[str] | None = None, zygote: Started | None = None) -> int:
     except (ConfigError, BatchSizeError, LeaseHeld, ValueError, RuntimeError) as exc:
         raise Refused(exc) from None
     except Exception as exc:
-        failure = command_failure(exc, where)
-        if failure is None:
+        if (failure := command_failure(exc, where)) is None:
             raise
         status, sentence = failure
         raise Refused(sentence, status) from None
@@ -254,8 +247,7 @@ def main(argv: list[str] | None = None, zygote: Started | None = None) -> int:
     _say_measured_mtbi(cfg, storage)
     human = sys.stderr if args.dry_run else sys.stdout
     print(point.describe(cfg.train.micro_batch_size, str(storage)), file=human)
-    warning = batch_change_warning(cfg, checkpoint)
-    if warning:
+    if warning := batch_change_warning(cfg, checkpoint):
         print(warning, file=sys.stderr)
     print(f"  command: {shlex.join(command)}", file=human, flush=True)
     if args.dry_run:
@@ -283,10 +275,6 @@ def _say_measured_mtbi(cfg: Config, storage: Storage) -> None:
 
 
 # ---------------------------------------------------------------- supervise --
-def say(line: str) -> None:
-    print(f"resume: {line}", file=sys.stderr, flush=True)
-
-
 def supervise(command: list[str], storage: Storage, before: Committed | None,
               preemption: PreemptionConfig, log_dir: Path, *, nodes: int = 1,
               recovery: RecoveryConfig | None = None, job_id: str | None = None,
@@ -307,14 +295,11 @@ def supervise(command: list[str], storage: Storage, before: Committed | None,
 
     names = dict.fromkeys([*ALWAYS_FORWARDED, *preemption.signals])
     previous = {sig: signal.signal(sig, forward) for sig in (signal.Signals[n] for n in names)}
-    held = early.take(list(previous))   # signals that came while this command started
-    if held:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        return stopped_before_launch(held[0], preemption)
-    # The agent stops the workers once this process is gone (launch/agent.py).
-    stop = preemption.signals[0] if preemption.signals else "SIGINT"
     try:
+        if held := early.take(list(previous)):   # signals that came while this command started
+            return stopped_before_launch(held[0], preemption)
+        # The agent stops the workers once this process is gone (launch/agent.py).
+        stop = preemption.signals[0] if preemption.signals else "SIGINT"
         launch = reaper.Launch(watched(command, stop))
         for signum in pending:
             launch.signal(signum)
@@ -336,9 +321,8 @@ def supervise(command: list[str], storage: Storage, before: Committed | None,
                          training_status=training_status_since(log_dir, launched_at),
                          node_lost=lost, memory_tier=memory_tier)
     if status == exit_codes.NODE_LOST and job_id is not None:
-        try:
-            lease = Lease(storage, stale_s=0.0, wait_s=0.0)  # only read, then removed
-            holder = lease.release_for_ended_job(job_id)
+        try:   # a lease only read, then removed
+            holder = Lease(storage, stale_s=0.0, wait_s=0.0).release_for_ended_job(job_id)
         except Exception as exc:  # noqa: BLE001 - the store down: it goes stale in time
             say(f"could not release this job's lease ({exit_codes.error_line(exc, 160)})")
         else:

@@ -48,12 +48,6 @@ def rdzv_conf(value: str) -> dict[str, str]:
     return conf
 
 
-def signals_to_handle(preemption: PreemptionConfig) -> str:
-    names = list(TORCHRUN_DEFAULT_SIGNALS)
-    names += [name for name in preemption.signals if name not in names]
-    return ",".join(names)
-
-
 def shutdown_timeout_s(preemption: PreemptionConfig) -> int:
     """How long torchrun waits for workers after a signal before it kills them."""
     return math.ceil(preemption.grace_period_s) + SHUTDOWN_MARGIN_S
@@ -75,10 +69,11 @@ def torchrun_command(module: str, args: list[str], preemption: PreemptionConfig,
     # torchrun's store, lent to the workers, keeps what an attempt wrote: a restarted process
     # group read the dead ranks' addresses (torch 2.13, gloo). Unshared: a fresh one each.
     env = ["env", f"{UNSHARED_STORE}=1"] if max_restarts > 0 else []
+    signals = ",".join(dict.fromkeys([*TORCHRUN_DEFAULT_SIGNALS, *preemption.signals]))
     cmd = [*env, python, "-m", f"{PACKAGE}.launch.agent", *([WARM_START] if warm_start else []),
            f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}",
            f"--max-restarts={max_restarts}",
-           f"--signals-to-handle={signals_to_handle(preemption)}",
+           f"--signals-to-handle={signals}",
            f"--shutdown-timeout={shutdown_timeout_s(preemption)}"]
     if nnodes == "1" and rdzv_endpoint is None:
         cmd.append("--standalone")

@@ -18,14 +18,17 @@ from ..runtime import exit_codes
 from ..runtime.metrics import Event, read_events
 
 
+def say(line: str) -> None:
+    print(f"resume: {line}", file=sys.stderr, flush=True)
+
+
 def stopped_before_launch(sig: signal.Signals, preemption: PreemptionConfig) -> int:
     """A signal came before torchrun was started: nothing has trained, nothing is lost."""
     status = (exit_codes.INTERRUPTED if sig == signal.SIGINT
               else preemption.exit_code if sig.name in preemption.signals else 128 + sig)
-    print(f"resume: {sig.name} arrived before training was launched: nothing new to save, "
-          f"the newest committed checkpoint is unchanged; exit {status}"
-          + (": run resume again" if status == preemption.exit_code else ""),
-          file=sys.stderr, flush=True)
+    say(f"{sig.name} arrived before training was launched: nothing new to save, the newest "
+        f"committed checkpoint is unchanged; exit {status}"
+        + (": run resume again" if status == preemption.exit_code else ""))
     return status
 
 
@@ -43,8 +46,7 @@ def training_status_since(log_dir: Path, since: float) -> tuple[int, str] | None
 def node_lost_since(log_dir: Path, since: float, recovery: RecoveryConfig) -> str | None:
     """Why torchrun gave up on a node of several, or None: this launch's newest start (its
     exit records) failed with restarts left, and no later start followed."""
-    records = [r for r in read_records(log_dir) if r.get("started", 0) >= since]
-    if not records:
+    if not (records := [r for r in read_records(log_dir) if r.get("started", 0) >= since]):
         return None  # no start in this launch: the first meeting failed, torchrun's status
     restart = max(int(r.get("restart", 0)) for r in records)
     last = [r for r in records if int(r.get("restart", 0)) == restart]
@@ -72,14 +74,13 @@ def exit_status(returncode: int, storage: Storage, before: Committed | None,
         return 0
     if training_status is not None and training_status[0] in exit_codes.FINAL:
         status, reason = training_status
-        print(f"resume: training ended with exit status {status}: {reason}", file=sys.stderr,
-              flush=True)
+        say(f"training ended with exit status {status}: {reason}")
         return status
     try:
         after = newest_complete_checkpoint(storage, verify="none")  # sizes: quick, in the grace
     except Exception as exc:  # noqa: BLE001 - the store down now: judge by the signals alone
-        print(f"resume: cannot list {storage} to see the final checkpoint "
-              f"({exit_codes.error_line(exc, 160)})", file=sys.stderr, flush=True)
+        say(f"cannot list {storage} to see the final checkpoint "
+            f"({exit_codes.error_line(exc, 160)})")
         after = None
     new_preemption_save = (after is not None and after.record.get("reason") == "preemption"
                            and (before is None or (after.name, after.record)
@@ -89,16 +90,15 @@ def exit_status(returncode: int, storage: Storage, before: Committed | None,
         why = (f"checkpoint step {after.step} committed on preemption" if new_preemption_save
                else f"{signalled[0]} received" if signalled
                else "training logged a preemption stop")
-        print(f"resume: preempted ({why}); exit {preemption.exit_code}: run resume again",
-              file=sys.stderr, flush=True)
+        say(f"preempted ({why}); exit {preemption.exit_code}: run resume again")
         return preemption.exit_code
     if node_lost is not None:
         durable = f"committed checkpoint{f' (step {after.step})' if after else ''}"
-        print(f"resume: a node of this job was lost ({node_lost}); exit "
-              f"{exit_codes.NODE_LOST}: run again, training resumes from the newest "
-              + (f"memory copy every rank can still reach, or else the newest {durable} "
-                 "(a copy held on the lost node comes from its partner node's)"
-                 if memory_tier else durable), file=sys.stderr, flush=True)
+        say(f"a node of this job was lost ({node_lost}); exit {exit_codes.NODE_LOST}: run "
+            "again, training resumes from the newest "
+            + (f"memory copy every rank can still reach, or else the newest {durable} "
+               "(a copy held on the lost node comes from its partner node's)"
+               if memory_tier else durable))
         return exit_codes.NODE_LOST
     # A negative status means torchrun died of a signal; report it the way shells do.
     return 128 - returncode if returncode < 0 else returncode

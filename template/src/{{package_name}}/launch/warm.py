@@ -8,16 +8,22 @@ child) runs ``train``. The design: docs/RECOVERY.md ("Warm start").
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import runpy
 import select
 import signal
 import socket
 import sys
+import threading
 import time
 
 from .. import PACKAGE
+from ..preemption import early
 from ..runtime.lifeline import TORCHRUN_ENV
+from ..runtime.process_tree import alive
 
 ZYGOTE_ENV = f"{PACKAGE.upper()}_ZYGOTE"   # the zygote's socket, set by the agent
 FORK_WAIT_S = 60.0      # the zygote (still importing, perhaps) forks within this, or: cold
@@ -29,14 +35,15 @@ RELAYED = tuple(getattr(signal, name) for name in
 
 def start_if_asked() -> None:
     """Run this worker as a fork of the zygote and exit with its status, or return (cold)."""
-    path = os.environ.get(ZYGOTE_ENV)
-    if not path:
+    if not (path := os.environ.get(ZYGOTE_ENV)):
         return
     try:
         conn = _ask(path)
         first = _Lines(conn).next(FORK_WAIT_S)
     except (OSError, ValueError) as exc:
-        _say_cold(f"the zygote does not answer ({exc})")
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"warm start: the zygote does not answer ({exc}): workers start cold",
+                  file=sys.stderr, flush=True)
         return
     if "pid" not in first:
         return   # refused: the zygote said why, once
@@ -56,13 +63,9 @@ def _ask(path: str) -> socket.socket:
 
 def _stand_in(conn: socket.socket, pid: int) -> int:
     """Pass stop signals on to the worker's process group until it exits; its status."""
-    from ..preemption import early
-
     def relay(signum: int, _frame) -> None:
-        try:
+        with contextlib.suppress(OSError):
             os.killpg(pid, signum)
-        except OSError:
-            pass
 
     for sig in RELAYED:
         signal.signal(sig, relay)
@@ -96,24 +99,15 @@ def _wait_gone(pid: int, bound_s: float) -> None:
         if fd is not None:
             if select.select([fd], [], [], 1.0)[0]:
                 break
+        elif not alive(pid):
+            break
         else:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
             time.sleep(0.25)
     else:
-        try:
+        with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
     if fd is not None:
         os.close(fd)
-
-
-def _say_cold(reason: str) -> None:
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"warm start: {reason}: workers start cold", file=sys.stderr, flush=True)
 
 
 class _Lines:
@@ -126,11 +120,7 @@ class _Lines:
     def next(self, bound_s: float | None) -> dict:
         self.conn.settimeout(bound_s)
         while b"\n" not in self.buffer:
-            try:
-                chunk = self.conn.recv(4096)
-            except InterruptedError:
-                continue
-            if not chunk:
+            if not (chunk := self.conn.recv(4096)):
                 raise ValueError("the zygote hung up")
             self.buffer += chunk
         line, self.buffer = self.buffer.split(b"\n", 1)
@@ -143,7 +133,6 @@ def become_worker(conn: socket.socket, request: dict, zygote: str) -> int:
     _take(request)
     sys.argv = list(request["argv"])
     from ..checkpoint.save.background import fork_from
-    from ..preemption import early
 
     early.hold()
     why_not = fork_from(lambda fds: _fork_checkpoint_process(zygote, fds))
@@ -158,11 +147,9 @@ def become_checkpoint_process(conn: socket.socket, request: dict, pipe_fd: int) 
     """Serve as the worker's DCP checkpoint process on ``pipe_fd`` until it ends or is gone."""
     _take(request)
     _end_with(int(request["worker"]))
-    try:   # what ps and top show: this is the checkpoint process of that rank
-        with open("/proc/self/comm", "w", encoding="ascii") as comm:
-            comm.write(CHECKPOINT_PROCESS_NAME.format(rank=os.environ.get("RANK", "")))
-    except OSError:
-        pass
+    # What ps and top show: this is the checkpoint process of that rank.
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w", encoding="ascii") as comm:
+        comm.write(CHECKPOINT_PROCESS_NAME.format(rank=os.environ.get("RANK", "")))
     conn.sendall((json.dumps({"pid": os.getpid()}) + "\n").encode())
     conn.close()
     from ..checkpoint.save.background import serve_as_checkpoint_process
@@ -172,20 +159,14 @@ def become_checkpoint_process(conn: socket.socket, request: dict, pipe_fd: int) 
 
 
 def _end_with(pid: int) -> None:
-    import threading
-
-    from ..runtime.process_tree import alive
-
     def wait() -> None:
         try:
-            fd = os.pidfd_open(pid)
+            select.select([os.pidfd_open(pid)], [], [])
         except ProcessLookupError:
-            os._exit(0)
+            pass
         except (OSError, AttributeError):   # no pidfd: look every second
             while alive(pid):
                 time.sleep(1.0)
-            os._exit(0)
-        select.select([fd], [], [])
         os._exit(0)
 
     threading.Thread(target=wait, name="worker-watch", daemon=True).start()
@@ -269,10 +250,6 @@ def _as_a_new_process() -> None:
 
 def run_as_main(module: str) -> int:
     """``python -m module`` in this process, with the interpreter's exit; its status."""
-    import atexit
-    import runpy
-    import threading
-
     code = 0
     sys.modules.pop(module, None)   # imported by the zygote: run anew, as __main__
     try:
@@ -283,15 +260,12 @@ def run_as_main(module: str) -> int:
         sys.excepthook(*sys.exc_info())
         code = 1
     finally:
-        shutdown = getattr(threading, "_shutdown", None)
-        if shutdown is not None:
+        if (shutdown := getattr(threading, "_shutdown", None)) is not None:
             shutdown()
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-            except (OSError, ValueError):
-                pass
     return code
 
 

@@ -10,14 +10,21 @@ docs/RECOVERY.md ("Warm start").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import importlib
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
+import threading
 import time
+import traceback
 
 from .. import PACKAGE
 from ..runtime.lifeline import die_with_parent, say_if_heard
@@ -53,8 +60,6 @@ PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint",
 
 def preload() -> int:
     """Import ``LIBRARIES`` and ``PRELOAD``; the OS threads counted between the two."""
-    import importlib
-
     for name in LIBRARIES:
         importlib.import_module(name)
     baseline = _threads()
@@ -65,8 +70,6 @@ def preload() -> int:
 
 def fork_hazard(baseline_threads: int) -> str | None:
     """Why a fork of this process would not be a sound worker, or None."""
-    import threading
-
     import torch
 
     if torch.cuda.is_initialized():
@@ -108,10 +111,8 @@ class Zygote:
                 elif key.data == "watched":
                     return
                 elif key.data == "child":
-                    try:
+                    with contextlib.suppress(BlockingIOError):
                         os.read(self.wake_r, 512)
-                    except BlockingIOError:
-                        pass
                     self._reap()
                 else:   # a requester's socket: readable means it is gone (EOF)
                     self._requester_gone(key.data, key.fileobj)
@@ -132,8 +133,7 @@ class Zygote:
             self._watch(int(request["pid"]))
             conn.close()
             return
-        hazard = self.refused or fork_hazard(self.baseline)
-        if hazard is not None:
+        if (hazard := self.refused or fork_hazard(self.baseline)) is not None:
             if self.refused is None:
                 self.refused = hazard
                 say(f"refused: {hazard}: workers start cold")
@@ -169,14 +169,11 @@ class Zygote:
                 return
             if pid == 0:
                 return
-            conn = self.children.pop(pid, None)
-            if conn is None:
+            if (conn := self.children.pop(pid, None)) is None:
                 continue
             self._forget(conn)
-            try:
+            with contextlib.suppress(OSError):
                 _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
-            except OSError:
-                pass
             conn.close()
 
     def _requester_gone(self, pid: int, conn: socket.socket) -> None:
@@ -187,16 +184,12 @@ class Zygote:
         except OSError:
             pass
         self._forget(conn)   # the child stays in ``children``, to be reaped
-        try:
+        with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
     def _forget(self, conn: socket.socket) -> None:
-        try:
+        with contextlib.suppress(KeyError, ValueError):   # its requester went first
             self.selector.unregister(conn)
-        except (KeyError, ValueError):
-            pass   # its requester went first: unregistered then
 
     def _become(self, kind: bytes, conn: socket.socket, request: dict,
                 fds: list[int]) -> None:
@@ -223,8 +216,6 @@ class Zygote:
             else:
                 code = become_worker(conn, request, self.path)
         except BaseException:   # noqa: BLE001 - a child must never return into the loop
-            import traceback
-
             traceback.print_exc()
         finally:
             os._exit(code)
@@ -248,8 +239,7 @@ def _receive(conn: socket.socket) -> tuple[bytes, dict, list[int]]:
 def _exactly(conn: socket.socket, size: int) -> bytes:
     data = b""
     while len(data) < size:
-        chunk = conn.recv(size - len(data))
-        if not chunk:
+        if not (chunk := conn.recv(size - len(data))):
             raise ValueError("the worker hung up")
         data += chunk
     return data
@@ -265,9 +255,6 @@ class Started:
     STOP_S = 5.0
 
     def __init__(self, nproc_per_node: str | None) -> None:
-        import subprocess
-        import tempfile
-
         self.folder = tempfile.mkdtemp(prefix="zygote-")
         self.path = os.path.join(self.folder, "socket")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -275,9 +262,8 @@ class Started:
         listener.listen(64)
         env = dict(os.environ)
         # As torchrun sets it for several workers: the libraries size their thread pools by it.
-        if "OMP_NUM_THREADS" not in env and (nproc_per_node or "1").isdigit() \
-                and int(nproc_per_node or "1") > 1:
-            env["OMP_NUM_THREADS"] = "1"
+        if (nproc_per_node or "1").isdigit() and int(nproc_per_node or "1") > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")
         self.proc = subprocess.Popen(
             [sys.executable, "-u", "-m", f"{PACKAGE}.launch.zygote",
              f"--fd={listener.fileno()}", f"--parent={os.getpid()}"],
@@ -285,9 +271,6 @@ class Started:
         listener.close()   # the zygote's now: once it is gone, workers are refused at once
 
     def stop(self) -> None:
-        import shutil
-        import subprocess
-
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -315,16 +298,12 @@ def ahead(argv: list[str]) -> Started | None:
 
 def watch_me(path: str) -> None:
     """In the agent, for a zygote ``resume`` started: end it when this process ends."""
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.settimeout(REQUEST_TIMEOUT_S)
-    try:
+    # An OSError: the zygote is gone already, and the workers start cold and say so.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn, contextlib.suppress(OSError):
+        conn.settimeout(REQUEST_TIMEOUT_S)
         conn.connect(path)
         request = json.dumps({"pid": os.getpid()}).encode()
         conn.sendall(WATCH + len(request).to_bytes(4, "big") + request)
-    except OSError:
-        pass   # gone already: the workers start cold, and say so
-    finally:
-        conn.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,8 +15,7 @@ from ..runtime.metrics import Event
 from .history import INTERRUPTIONS
 
 PARTS = ("productive", "rework", "saving", "eval", "restart", "unaccounted")
-RESTART_PHASES = ("detection", "queue", "imports", "rendezvous", "build", "load",
-                  "first_step")
+RESTART_PHASES = ("detection", "queue", "imports", "rendezvous", "build", "load", "first_step")
 # runtime/phases.py's phase -> the ledger's restart phase
 PHASE_OF = {"imports_done": "imports", "rendezvous_done": "rendezvous",
             "model_built": "build", "checkpoint_chosen": "load", "loaded": "load",
@@ -25,17 +24,18 @@ PHASE_OF = {"imports_done": "imports", "rendezvous_done": "rendezvous",
 
 @dataclass
 class Start:
-    """One start of training as the ledger sees it."""
-
     record: dict[str, Any]                       # its history record ({} when none)
     events: list[dict[str, Any]] = field(default_factory=list)   # its metrics events
 
     @property
+    def phases(self) -> dict[str, float]:
+        return {e["phase"]: e["at"] for e in self.events if e["event"] == Event.phase
+                and e.get("at") is not None}
+
+    @property
     def started_at(self) -> float:
-        phases = {e["phase"]: e["at"] for e in self.events if e["event"] == Event.phase
-                  and e.get("at") is not None}
-        if "process_started" in phases:
-            return float(phases["process_started"])
+        if (process_started := self.phases.get("process_started")) is not None:
+            return float(process_started)
         if self.record.get("started_at") is not None:
             return float(self.record["started_at"])
         return float(self.events[0]["time"])
@@ -75,8 +75,7 @@ def split_starts(records: list[dict[str, Any]], events: list[dict[str, Any]]) ->
         if event["event"] == Event.start or not segments:
             segments.append([])
         segments[-1].append(event)
-    starts = []
-    unused = list(records)
+    starts, unused = [], list(records)
     for segment in segments:
         begin = segment[0]["time"]
         # the record of the process that logged this start: it began just before
@@ -91,7 +90,6 @@ def split_starts(records: list[dict[str, Any]], events: list[dict[str, Any]]) ->
 
 
 def account(records: list[dict[str, Any]], events: list[dict[str, Any]]) -> Ledger:
-    """The ledger of a run from its history records and its metrics events."""
     starts = split_starts(records, events)
     if not starts:
         raise ValueError("no start of training is recorded: nothing to account for")
@@ -110,10 +108,8 @@ def account(records: list[dict[str, Any]], events: list[dict[str, Any]]) -> Ledg
             phases["queue"] += queue
         span = {"begin": begin, "end": end, "steps": [], "saves": [], "evals": [],
                 "phases": {}, "record": start.record.get("id")}
-        if start.events:
-            furthest = _account_events(start, parts, phases, span, furthest)
-        else:
-            furthest = _account_record(start.record, parts, phases, span, furthest)
+        furthest = (_account_events(start, parts, phases, span, furthest) if start.events
+                    else _account_record(start.record, parts, phases, span, furthest))
         previous = start.record.get("previous")
         if previous and previous.get("kind") in INTERRUPTIONS:
             interruptions.append(_interruption(start, previous, previous_end, reached))
@@ -156,9 +152,7 @@ def _gap(start: Start, previous_end: float, begin: float) -> tuple[float, float]
     """The gap since the previous start's last sign of life, as (detection: until every
     rank had stopped, from the phase events; queue: the rest)."""
     gap = max(begin - previous_end, 0.0)
-    marks = {e["phase"]: e["at"] for e in start.events if e["event"] == Event.phase
-             and e.get("at") is not None}
-    stopped = marks.get("workers_stopped")
+    stopped = start.phases.get("workers_stopped")
     detection = min(max(stopped - previous_end, 0.0), gap) if stopped is not None else 0.0
     return detection, gap - detection
 
@@ -170,8 +164,7 @@ def _account_events(start: Start, parts: dict[str, float], phases: dict[str, flo
     steps = [e for e in events if e["event"] == Event.step and isinstance(e.get("step"), int)]
     marks = [(e["phase"], e["at"]) for e in events if e["event"] == Event.phase
              and e.get("at") is not None and e["phase"] in PHASE_OF]
-    begin = start.started_at
-    last = begin
+    begin = last = start.started_at
     for phase, at in sorted(marks, key=lambda m: m[1]):
         seconds = max(at - last, 0.0)
         phases[PHASE_OF[phase]] += seconds
@@ -182,15 +175,14 @@ def _account_events(start: Start, parts: dict[str, float], phases: dict[str, flo
     first_step_at = max(last, begin) if marks else steps[0]["time"]
     if not marks:   # no phase events: the time to the first step is the restart's
         phases["first_step"] += max(steps[0]["time"] - begin, 0.0)
-    blocking = {}   # step -> seconds the loop was blocked at it by the save path
-    for save in (e for e in events if e["event"] == Event.save):
-        blocking[save.get("step")] = blocking.get(save.get("step"), 0.0) + float(
-            save.get("blocking_s") or 0.0) + float(save.get("waited_s") or 0.0)
-    for ready in (e for e in events if e["event"] == Event.phase
-                  and e.get("phase") == "checkpoint_process_ready"):
-        # the first save of a start waited for the checkpoint process to be up
-        blocking[ready.get("step")] = blocking.get(ready.get("step"), 0.0) + float(
-            ready.get("waited_s") or 0.0)
+    # step -> seconds the loop was blocked at it by the save path: each save's stall and
+    # wait, then the first save's wait for the checkpoint process to be up
+    ready = [e for e in events if e["event"] == Event.phase
+             and e.get("phase") == "checkpoint_process_ready"]
+    blocking: dict[Any, float] = {}
+    for e in [e for e in events if e["event"] == Event.save] + ready:
+        blocking[e.get("step")] = blocking.get(e.get("step"), 0.0) + float(
+            e.get("blocking_s") or 0.0) + float(e.get("waited_s") or 0.0)
     evals = [e for e in events if e["event"] == Event.eval]
     previous_time, previous_step = first_step_at, steps[0]["step"]
     reached = furthest

@@ -48,8 +48,7 @@ def measured(ledger: Ledger) -> Measured:
 
 
 def run_ledger(cfg: Config) -> tuple[Ledger, int, bool]:
-    """(ledger, unreadable history records, whether metrics were there); LookupError when
-    nothing is recorded yet."""
+    """(ledger, unreadable history records, has metrics); LookupError when nothing is recorded."""
     storage = open_storage(cfg.checkpoint.dir)
     records, skipped = read_history(storage)
     events, _ = read_events(cfg.log.dir)
@@ -57,12 +56,6 @@ def run_ledger(cfg: Config) -> tuple[Ledger, int, bool]:
         raise LookupError(f"nothing is recorded yet: no history in {storage}/history and no "
                           f"events in {cfg.log.dir}/metrics.jsonl (train first)")
     return account(records, events), skipped, bool(events)
-
-
-def history_ledger(storage: Storage) -> Ledger | None:
-    """The coarse ledger of the history alone (cheap: one small object per start)."""
-    records, _ = read_history(storage)
-    return account(records, []) if records else None
 
 
 def inputs_from(base: Inputs, found: Measured) -> Inputs:
@@ -80,10 +73,10 @@ def inputs_from(base: Inputs, found: Measured) -> Inputs:
 
 def mtbi_notice(cfg: Config, storage: Storage, base: Inputs) -> str | None:
     """One line when the measured MTBI's interval excludes the configured one, else None."""
-    ledger = history_ledger(storage)
-    if ledger is None:
+    records, _ = read_history(storage)   # the history alone: cheap, one small object a start
+    if not records:
         return None
-    found = measured(ledger)
+    found = measured(account(records, []))
     configured_s = cfg.plan.mtbi_hours * 3600.0 / cfg.plan.nodes
     if not found.mtbi.excludes(configured_s):
         return None

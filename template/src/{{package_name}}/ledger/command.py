@@ -23,7 +23,7 @@ from .. import PACKAGE
 from ..checkpoint.store.outage import ends_storage_errors
 from ..config import Config, ConfigError, load_config
 from ..interval.formulas import badput, badput_components
-from ..interval.plot import PLOT_SUFFIXES
+from ..interval.plot import PLOT_SUFFIXES, PlotUnavailable
 from ..runtime import exit_codes
 from ..runtime.exit_codes import Refused, refusals
 from .accounts import PARTS, RESTART_PHASES, Ledger
@@ -50,14 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def measure(cfg: Config) -> tuple[Ledger, dict[str, Any]]:
-    """The ledger of ``cfg``'s run and its summary (what --json prints)."""
-    ledger, skipped, has_metrics = run_ledger(cfg)
-    return ledger, summarize(ledger, cfg, skipped, has_metrics=has_metrics)
-
-
 def summarize(ledger: Ledger, cfg: Config, skipped: int = 0,
               has_metrics: bool = True) -> dict[str, Any]:
+    """The ledger of ``cfg``'s run summed up: what --json prints."""
     found = measured(ledger)
     inputs = planned_inputs(cfg, has_metrics)
     tau = cfg.checkpoint.interval_steps * inputs.step_seconds
@@ -73,9 +68,9 @@ def summarize(ledger: Ledger, cfg: Config, skipped: int = 0,
         "planned_mtbi_hours": cfg.plan.mtbi_hours / cfg.plan.nodes,
         "planned_inputs": dataclasses.asdict(inputs),
         "interruptions": ledger.interruptions,
-        "mtbi": found.mtbi.to_dict(),
-        "crash_share": found.crash_share.to_dict(),
-        "node_loss_share": found.node_loss_share.to_dict(),
+        "mtbi": dataclasses.asdict(found.mtbi),
+        "crash_share": dataclasses.asdict(found.crash_share),
+        "node_loss_share": dataclasses.asdict(found.node_loss_share),
         "restart_s": found.restart_s,
         "in_place_restart_s": found.in_place_restart_s,
         "starts": len(ledger.starts),
@@ -121,12 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        ledger, result = measure(cfg)
+        ledger, skipped, has_metrics = run_ledger(cfg)
+        result = summarize(ledger, cfg, skipped, has_metrics=has_metrics)
     except (ConfigError, LookupError, ValueError) as exc:
         raise Refused(exc) from exc
     print(json.dumps(result) if args.json else format_ledger(result))
     if args.plot:
-        from .plot import PlotUnavailable, plot_timeline
+        from .plot import plot_timeline
 
         try:
             plot_timeline(ledger, args.plot)

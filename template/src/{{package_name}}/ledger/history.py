@@ -68,12 +68,11 @@ def read_history(storage: Storage) -> tuple[list[dict[str, Any]], int]:
         try:
             record = json.loads(storage.read_text(f"{HISTORY_DIR}/{name}"))
         except (OSError, ValueError, UnicodeDecodeError):
+            record = None
+        if isinstance(record, dict) and record.get("format") == FORMAT:
+            records.append(record)
+        else:
             skipped += 1
-            continue
-        if not isinstance(record, dict) or record.get("format") != FORMAT:
-            skipped += 1
-            continue
-        records.append(record)
     records.sort(key=lambda r: float(r.get("started_at", 0.0)))
     return records, skipped
 
@@ -158,10 +157,12 @@ class HistorySink:
                                   "reason": str(fields.get("reason", "")), "time": now}
             self.record["last_seen"] = now
             self._write()
-            self._wait(END_WAIT_S)
+            self.close()
 
     def close(self) -> None:
-        self._wait(END_WAIT_S)
+        thread = self._writing
+        if thread is not None:
+            thread.join(timeout=END_WAIT_S)
 
     def _write(self) -> None:
         """At most one write in flight; one asked for meanwhile follows with the newest record."""
@@ -170,8 +171,7 @@ class HistorySink:
             self._dirty = True
             if self._writing is not None and self._writing.is_alive():
                 return
-            self._writing = threading.Thread(target=self._drain, name="history-writer",
-                                             daemon=True)
+            self._writing = threading.Thread(target=self._drain, name="history-writer", daemon=True)
             self._writing.start()
 
     def _drain(self) -> None:
@@ -186,11 +186,6 @@ class HistorySink:
                 self.storage.write_text_durable(self.name, text)
             except Exception as exc:  # noqa: BLE001 - the history never stops training
                 self._warn(exc)
-
-    def _wait(self, seconds: float) -> None:
-        thread = self._writing
-        if thread is not None:
-            thread.join(timeout=seconds)
 
     def _warn(self, exc: BaseException) -> None:
         if not self._warned:

@@ -9,7 +9,7 @@ has a closed form, so the quantiles come by bisection, without SciPy.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 ALPHA = 0.05        # a 95 % interval
 MIN_COUNT = 3       # fewer interruptions than this are too few to plan with
@@ -62,16 +62,11 @@ class MTBI:
 
     def excludes(self, mtbi_s: float) -> bool:
         """Whether ``mtbi_s`` lies outside the interval (always False with too few)."""
-        if not self.enough or self.low_s is None:
-            return False
-        return mtbi_s < self.low_s or (self.high_s is not None and mtbi_s > self.high_s)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+        return (self.enough and self.low_s is not None
+                and (mtbi_s < self.low_s or (self.high_s is not None and mtbi_s > self.high_s)))
 
 
 def measure_mtbi(count: int, exposure_s: float, alpha: float = ALPHA) -> MTBI:
-    """The estimate and interval from ``count`` interruptions over ``exposure_s``."""
     if count < 0 or exposure_s < 0:
         raise ValueError("count and exposure must be >= 0")
     if exposure_s == 0:
@@ -87,9 +82,6 @@ def measure_mtbi(count: int, exposure_s: float, alpha: float = ALPHA) -> MTBI:
 class Share:
     estimate: float | None   # count / interruptions; None without an interruption
     count: int
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def share(count: int, of: int) -> Share:

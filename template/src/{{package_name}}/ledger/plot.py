@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from ..interval.plot import PlotUnavailable
+from ..interval.plot import new_figure
 from .accounts import Ledger
 
 COLOURS = {"productive": "#2e7d32", "rework": "#ef6c00", "training": "#66bb6a",
@@ -14,29 +14,20 @@ COLOURS = {"productive": "#2e7d32", "rework": "#ef6c00", "training": "#66bb6a",
 
 
 def plot_timeline(ledger: Ledger, path: str | os.PathLike) -> None:
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
-    except ImportError as exc:
-        raise PlotUnavailable("--plot needs matplotlib, the project's `plot` extra: "
-                              "python -m pip install -e '.[plot]' (in the project "
-                              "directory)") from exc
     origin = ledger.starts[0]["begin"]
     rows = len(ledger.starts)
-    figure = Figure(figsize=(10, 1.2 + 0.5 * rows))
+    figure = new_figure(10, 1.2 + 0.5 * rows)   # PlotUnavailable without matplotlib
+    from matplotlib.patches import Patch
     axes = figure.add_subplot()
     previous_end = None
     for row, span in enumerate(ledger.starts):
         y = rows - 1 - row
-        bars = []
-        if previous_end is not None and span["begin"] > previous_end:
-            bars.append((previous_end, span["begin"], "downtime"))
         first = min((s[0] for s in span["steps"]), default=span["end"])
-        bars.append((span["begin"], first, "restart"))
-        bars += [(a, b, part) for a, b, part in span["steps"]]
-        bars += [(a, b, "saving") for a, b in span["saves"]]
-        bars += [(a, b, "eval") for a, b in span["evals"]]
+        bars = [(span["begin"], first, "restart"), *span["steps"],
+                *((a, b, "saving") for a, b in span["saves"]),
+                *((a, b, "eval") for a, b in span["evals"])]
+        if previous_end is not None and span["begin"] > previous_end:
+            bars.insert(0, (previous_end, span["begin"], "downtime"))
         for a, b, part in bars:
             axes.broken_barh([(a - origin, max(b - a, 0.0))], (y - 0.35, 0.7),
                              facecolors=COLOURS[part])
@@ -52,5 +43,4 @@ def plot_timeline(ledger: Ledger, path: str | os.PathLike) -> None:
                 loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(COLOURS),
                 fontsize="small", frameon=False)
     figure.tight_layout()
-    FigureCanvasAgg(figure)
     figure.savefig(os.fspath(path))

@@ -117,7 +117,7 @@ def calibrate(soak: Soak) -> None:
         soak.out / name / "job.log")
     status = wait_job(proc, 600)
     if status != 0:
-        raise SoakError(f"the calibration run exited {status} (see {soak.out / name}/job.log)")
+        raise SoakRunError(f"the calibration run exited {status} (see {soak.out / name}/job.log)")
     spent = time.monotonic() - began
     measured = read_metrics(soak.out / name / "logs")
     soak.step_s, soak.blocking_s = measured.step_seconds, measured.blocking_seconds
@@ -136,10 +136,6 @@ def calibrate(soak: Soak) -> None:
     soak.max_steps = max(int(training_s / soak.step_s), 4 * soak.interval_steps, 20)
     horizon = soak.args.minutes * 60 * 4       # more than any run lasts
     soak.faults = fault_times(soak.args.seed, soak.args.mtbi_seconds, horizon)
-
-
-class SoakError(RuntimeError):
-    pass
 
 
 def final_state(ckpt: Path, step: int) -> dict[str, Any]:
@@ -232,7 +228,7 @@ def run_soak(soak: Soak) -> dict[str, Any]:
         "reference", steps, f"checkpoint.interval_steps={soak.interval_steps}"),
         soak.out / "reference" / "job.log")
     if wait_job(reference, soak.args.minutes * 60 * 2) != 0:
-        raise SoakError(f"the reference run failed (see {soak.out}/reference/job.log)")
+        raise SoakRunError(f"the reference run failed (see {soak.out}/reference/job.log)")
     expected = final_state(soak.out / "reference" / "ckpt", soak.max_steps)
     runs = []
     for multiplier in soak.args.multipliers:
@@ -305,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     soak = Soak(args, out, base)
     try:
         report = run_soak(soak)
-    except (SoakError, SoakRunError, MetricsError, OSError) as exc:
+    except (SoakRunError, MetricsError, OSError) as exc:
         print(f"soak: failed: {exc}", file=sys.stderr)
         return exit_codes.FAILED
     (out / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")

@@ -82,8 +82,7 @@ class Evaluator:
         try:
             with torch.no_grad():
                 for r in range(rounds):
-                    (stop,) = any_rank(stop_requested())
-                    if stop:
+                    if any_rank(stop_requested())[0]:
                         return None
                     indices = mine[r * self.micro_batch_size:(r + 1) * self.micro_batch_size]
                     n = len(indices)

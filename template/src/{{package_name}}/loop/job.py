@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         raise Refused(exc) from exc
-    too_old = torch_too_old()
-    if too_old is not None:
+    if (too_old := torch_too_old()) is not None:
         raise Refused(too_old)
 
     watch = PreemptionWatch(cfg.preemption.signals)
@@ -166,9 +165,8 @@ def _no_restart_in_place(code: int, stop: StopCoordinator, runtime: Runtime,
     if (code == exit_codes.OK or launcher is None or os.getppid() != launcher
             or attempt.restarts_left == 0):
         return
-    request = stop.watch.requested
-    if request is not None and request.source.startswith("SIG") and \
-            request.wall_time <= decided_at:
+    if (request := stop.watch.requested) is not None and request.source.startswith("SIG") \
+            and request.wall_time <= decided_at:
         return
     if runtime.local_rank != 0:
         heard, deadline = stop.signals_received, time.monotonic() + ASK_WAIT_S
@@ -186,20 +184,18 @@ def _guard_progress(cfg: Config, checkpointer: Checkpointer, attempt: Attempt,
                     previous: dict[str, Any] | None) -> tuple[int, str | None]:
     """Rank 0's no-progress verdict: failed starts in a row, and why this start must not
     run (None: it may). Progress: a newer committed or memory-copy step to restart from."""
-    def verdict() -> tuple[int, str | None]:
-        step = checkpointer.newest_recoverable_step()
-        attempt.begin(newest_step=-1 if step is None else step)  # the next start compares
-        return ProgressGuard(checkpointer.storage,
-                             cfg.recovery.max_attempts_without_progress).on_start(step, previous)
-
-    return decide_on_rank0(verdict)
+    step = checkpointer.newest_recoverable_step()
+    attempt.begin(newest_step=-1 if step is None else step)  # the next start compares
+    return ProgressGuard(checkpointer.storage,
+                         cfg.recovery.max_attempts_without_progress).on_start(step, previous)
 
 
 def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: StopCoordinator,
            watchdog: StepWatchdog, metrics: MetricsLog, attempt: Attempt,
            previous: dict[str, Any] | None) -> tuple[int, str]:
     """The exit status and why; Refused for a broken task contract or unusable checkpoint."""
-    failed_starts, no_progress = _guard_progress(cfg, checkpointer, attempt, previous)
+    failed_starts, no_progress = decide_on_rank0(
+        lambda: _guard_progress(cfg, checkpointer, attempt, previous))
     if no_progress is not None:
         if runtime.is_main:
             refuse(Refused(no_progress, exit_codes.NO_PROGRESS))
@@ -241,8 +237,7 @@ def _train(cfg: Config, runtime: Runtime, checkpointer: Checkpointer, stop: Stop
         f"{trainer.progress.step}, {runtime.world_size} rank(s) on {runtime.device.type}, "
         f"gradient accumulation {trainer.split.grad_accum_steps}, "
         f"checkpoints every {cfg.checkpoint.interval_steps} steps to {cfg.checkpoint.dir}")
-    missing_eval = trainer.evaluator.missing()
-    if missing_eval is not None:
+    if (missing_eval := trainer.evaluator.missing()) is not None:
         metrics.say(missing_eval)
     trainer.on_first_step = lambda step: _first_step(metrics, attempt, previous, step, failed)
     try:
@@ -276,8 +271,7 @@ def _attach_trackers(cfg: Config, checkpointer: Checkpointer, metrics: MetricsLo
         return None
     from ..tracking.trackers import open_trackers
     try:
-        metrics.sinks += open_trackers(cfg.log.trackers, cfg.log.dir,
-                                       checkpointer.storage,
+        metrics.sinks += open_trackers(cfg.log.trackers, cfg.log.dir, checkpointer.storage,
                                        resumed.step if resumed is not None else None,
                                        to_plain_dict(cfg))
     except ConfigError as exc:
@@ -293,8 +287,7 @@ def _first_step(metrics: MetricsLog, attempt: Attempt, previous: dict[str, Any] 
         metrics.event(Event.phase, step=step, restart=attempt.job_restart, **row)
     if not failed:
         return
-    failed_at = previous.get("failed_at")
-    seconds = time.time() - failed_at if failed_at else None
+    seconds = time.time() - previous["failed_at"] if previous.get("failed_at") else None
     metrics.event(Event.recovered, step=step, restart=attempt.job_restart,
                   in_place=attempt.in_place, cause_kind=previous["kind"],
                   failure_to_first_step_s=seconds)
@@ -311,5 +304,4 @@ def _watchdog(cfg: Config, runtime: Runtime, attempt: Attempt) -> StepWatchdog:
         stop_background_processes()   # os._exit follows: leave no child behind
 
     return StepWatchdog(rank=runtime.rank, step_timeout_s=cfg.recovery.step_timeout_s,
-                        first_step_timeout_s=cfg.recovery.first_step_timeout_s,
-                        on_hang=on_hang)
+                        first_step_timeout_s=cfg.recovery.first_step_timeout_s, on_hang=on_hang)

@@ -30,7 +30,7 @@ def micro_batches(dataset: Dataset, collate: Callable, sampler: GlobalBatchSampl
     """This rank's micro-batches from ``samples_consumed`` on, collated. ``seed`` seeds the
     loader's own generator: a draw from the default one would shift the saved streams."""
     workers = cfg.num_workers
-    loader = DataLoader(
+    batches = iter(DataLoader(
         dataset, collate_fn=collate, num_workers=workers,
         batch_sampler=RankMicroBatches(sampler, split, rank, samples_consumed),
         pin_memory=device.type == "cuda", generator=torch.Generator().manual_seed(seed),
@@ -38,8 +38,7 @@ def micro_batches(dataset: Dataset, collate: Callable, sampler: GlobalBatchSampl
         multiprocessing_context=start_method(cfg.start_method, device) if workers else None,
         # Micro-batches each worker keeps ready (DataLoader refuses it without workers).
         prefetch_factor=cfg.prefetch_factor if workers else None,
-        persistent_workers=workers > 0)
-    batches = iter(loader)
+        persistent_workers=workers > 0))
     if workers:
         atexit.register(end_workers_at_exit, weakref.ref(batches))
         return naming_dead_workers(batches)
@@ -61,8 +60,7 @@ def ignore_preemption_signals(_worker_id: int) -> None:
 def end_workers_at_exit(loader_iter: weakref.ref) -> None:
     """End a loader's workers before multiprocessing's exit handler joins them (atexit runs
     first): they ignore SIGTERM, so after a crash the process would wait for them forever."""
-    it = loader_iter()
-    if it is None:
+    if (it := loader_iter()) is None:
         return
     with contextlib.suppress(Exception):
         it._shutdown_workers()  # the loader's own orderly stop
@@ -83,10 +81,8 @@ def naming_dead_workers(loader_iter: Iterator[Any]) -> Iterator[Any]:
         except (OSError, EOFError) as exc:
             workers = getattr(loader_iter, "_workers", ())
             deadline = time.monotonic() + WORKER_EXIT_WAIT_S
-            while True:
-                dead = [w.pid for w in workers if not w.is_alive()]
-                if dead or not workers or time.monotonic() >= deadline:
-                    break
+            while (not (dead := [w.pid for w in workers if not w.is_alive()]) and workers
+                   and time.monotonic() < deadline):
                 time.sleep(0.05)
             if dead:
                 raise RuntimeError(f"DataLoader worker (pid(s) {', '.join(map(str, dead))}) "

@@ -8,6 +8,7 @@ exact next sample.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -85,10 +86,8 @@ class Permutation:
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         out = self._rounds(np.asarray(positions, dtype=np.uint64))
-        outside = out >= self.n
-        while outside.any():
+        while (outside := out >= self.n).any():
             out[outside] = self._rounds(out[outside])
-            outside = out >= self.n
         return out.astype(np.int64)
 
 
@@ -133,8 +132,6 @@ class RankMicroBatches:
         self.sampler, self.split, self.rank, self.start = sampler, split, rank, start
 
     def __iter__(self) -> Iterator[list[int]]:
-        position = self.start
-        while True:
+        for position in itertools.count(self.start, self.split.global_batch_size):
             for indices in self.sampler.rank_micro_batches(position, self.rank, self.split):
                 yield indices.tolist()
-            position += self.split.global_batch_size

@@ -10,6 +10,7 @@ import ast
 import importlib
 import inspect
 import re
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,19 +35,18 @@ Optimizers = tuple[torch.optim.Optimizer, "torch.optim.lr_scheduler.LRScheduler 
 # the package. A task importing an old one is told the new import (exit 2). The command
 # entries, config/, preemption/ and launch/ stayed importable: for them, moved names count.
 MOVED_MODULES = {
-    "trainer": ("loop.trainer",), "sampling": ("loop.sampling",),
-    "task_contract": ("loop.task_contract",),
+    **{name: (f"loop.{name}",) for name in ("trainer", "sampling", "task_contract")},
+    **{name: (f"runtime.{name}",) for name in ("exit_codes", "metrics")},
+    **{name: (f"recovery.{name}",) for name in ("watchdog", "progress_guard", "stragglers")},
+    **{name: (f"tools.{name}",) for name in (
+        "bench_loop", "bench_report", "drill_report", "tokenizer", "plan", "bench", "drill",
+        "export", "verify", "memcheck", "prepare_data")},
     "distributed": ("runtime.distributed", "loop.parallelize"),
-    "exit_codes": ("runtime.exit_codes",), "metrics": ("runtime.metrics",),
     "stop": ("preemption.stop", "checkpoint.policy", "checkpoint.final_save"),
-    "preemption": ("preemption.watch",), "watchdog": ("recovery.watchdog",),
-    "progress_guard": ("recovery.progress_guard",), "stragglers": ("recovery.stragglers",),
-    "exits": ("recovery.attempts", "runtime.exit_codes"),
+    "preemption": ("preemption.watch",), "exits": ("recovery.attempts", "runtime.exit_codes"),
     "launch": ("launch.torchrun",), "launch.command": ("launch.torchrun",),
     "plan_model": ("interval.formulas",), "plan_report": ("interval.report",),
-    "plan_plot": ("interval.plot",), "bench_loop": ("tools.bench_loop",),
-    "bench_report": ("tools.bench_report",), "drill_report": ("tools.drill_report",),
-    "tokenizer": ("tools.tokenizer",), "config": ("config.schema", "config.schedule"),
+    "plan_plot": ("interval.plot",), "config": ("config.schema", "config.schedule"),
     "checkpoint.planner": ("checkpoint.save.dcp_planner",),
     # checkpoint/ in wings (CHANGELOG.md, Unreleased).
     **{f"checkpoint.{old}": (f"checkpoint.{new}",) for old, new in (
@@ -58,11 +58,7 @@ MOVED_MODULES = {
         ("integrity", "store.integrity"), ("restore", "load.restore"),
         ("reader", "load.reader"), ("safe_load", "load.safe_load"),
         ("compat", "load.compat"))},
-    "train": ("loop.job",),
-    "resume": ("launch.supervisor",),
-    "plan": ("tools.plan",),
-    **{name: (f"tools.{name}",) for name in ("bench", "drill", "export", "verify",
-                                             "memcheck", "prepare_data")},
+    "train": ("loop.job",), "resume": ("launch.supervisor",),
 }
 
 
@@ -85,8 +81,7 @@ def load_task(module: ModuleType | None = None) -> Task:
         try:
             from .. import task as module
         except ImportError as exc:  # ModuleNotFoundError too
-            moved = moved_import(exc)
-            if moved is None:
+            if (moved := moved_import(exc)) is None:
                 raise
             raise ConfigError(moved) from None
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
@@ -95,12 +90,9 @@ def load_task(module: ModuleType | None = None) -> Task:
                           "(see docs/EXTENDING.md)")
     defaults = {"collate": default_collate, "build_optimizer": default_optimizer,
                 "shard_units": default_shard_units}
-    chosen = {name: getattr(module, name) for name in REQUIRED}
+    chosen = {name: getattr(module, name, None) or defaults.get(name)
+              for name in (*REQUIRED, *OPTIONAL, *EVALUATION)}
     chosen["build_model"] = _with_context(chosen["build_model"])
-    for name in OPTIONAL:
-        chosen[name] = getattr(module, name, None) or defaults[name]
-    for name in EVALUATION:
-        chosen[name] = getattr(module, name, None)
     return Task(**chosen)
 
 
@@ -201,8 +193,7 @@ def _old_module(exc: ImportError) -> tuple[str | None, list[str]]:
     relative = name[len(PACKAGE) + 1:]
     if isinstance(exc, ModuleNotFoundError):
         return relative, []
-    found = re.match(r"cannot import name '([^']+)'", str(exc))
-    if found is None:
+    if (found := re.match(r"cannot import name '([^']+)'", str(exc))) is None:
         return None, []
     if not relative:                        # `from . import trainer`
         return found.group(1), []
@@ -212,14 +203,11 @@ def _old_module(exc: ImportError) -> tuple[str | None, list[str]]:
 def _import_site(exc: ImportError) -> tuple[str, ast.ImportFrom | None]:
     """``src/<package>/task.py line 3`` (the innermost frame that is not importlib's) and
     its ``from ... import`` statement, when the file can be parsed."""
-    frame, tb = None, exc.__traceback__
-    while tb is not None:
-        if not tb.tb_frame.f_code.co_filename.startswith("<"):
-            frame = tb
-        tb = tb.tb_next
-    if frame is None:
+    frames = [(frame, line) for frame, line in traceback.walk_tb(exc.__traceback__)
+              if not frame.f_code.co_filename.startswith("<")]
+    if not frames:
         return f"src/{PACKAGE}/task.py", None
-    path, line = Path(frame.tb_frame.f_code.co_filename), frame.tb_lineno
+    path, line = Path(frames[-1][0].f_code.co_filename), frames[-1][1]
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (OSError, SyntaxError, UnicodeDecodeError):
@@ -252,10 +240,9 @@ def default_optimizer(model: nn.Module, cfg: Config) -> Optimizers:
     train = cfg.train
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr,
                                   weight_decay=train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, train.warmup_steps, train.max_steps,
                                        train.min_lr_ratio))
-    return optimizer, scheduler
 
 
 def default_shard_units(model: nn.Module) -> list[nn.Module]:

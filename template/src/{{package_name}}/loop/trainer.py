@@ -8,6 +8,7 @@ stop is decided there (``checkpoint.policy``). Nothing below the trainer calls b
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -97,7 +98,6 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.dataset), train.global_batch_size, train.seed)
         self.progress = Progress()
         self._adapters: dict[str, Any] | None = None   # built once: saves reuse them
-        self._config_record: dict[str, Any] | None = None   # the config as plain data
         self.stragglers = straggler_check(cfg, runtime, metrics)
         self.watchdog = watchdog
         self.stop_requested = stop_requested   # a preemption ends an evaluation early
@@ -137,11 +137,10 @@ class Trainer:
             self._eval_first = self.evaluator.due(step) and self.last_eval_step != step
         return resumed
 
+    @functools.cached_property
     def _plain_config(self) -> dict[str, Any]:
         """The config as plain data, made once (OmegaConf's ~15 ms is long for frequent saves)."""
-        if self._config_record is None:
-            self._config_record = to_plain_dict(self.cfg)
-        return self._config_record
+        return to_plain_dict(self.cfg)
 
     def commit_record(self) -> dict[str, Any]:
         return {
@@ -153,7 +152,7 @@ class Trainer:
             "samples_consumed": self.progress.samples_consumed,
             "last_eval_step": self.last_eval_step,
             "eval": self.last_eval,     # its figures (checkpoint.keep_best ranks by them)
-            "config": self._plain_config(),
+            "config": self._plain_config,
         }
 
     # ------------------------------------------------------------------ data --
@@ -204,16 +203,14 @@ class Trainer:
         if not isinstance(metrics, dict):
             raise TaskError(f"loss_and_metrics must return (loss, dict of metrics), got "
                             f"{type(metrics).__name__} as the second value")
-        clash = sorted(set(metrics) & set(STEP_FIELDS))
-        if clash:
+        if clash := sorted(set(metrics) & set(STEP_FIELDS)):
             raise TaskError(f"loss_and_metrics returned metric(s) {clash}: these names are "
                             f"the harness's own ({', '.join(STEP_FIELDS)}); rename them")
         return metrics
 
     # ------------------------------------------------------------------ loop --
     def run(self) -> Outcome:
-        """Step until ``train.max_steps`` or until the checkpointer, which owns saving and
-        preemption, says stop."""
+        """Step to ``train.max_steps``, or until the checkpointer (saving, preemption) says stop."""
         max_steps = self.cfg.train.max_steps
         batches = self.micro_batches()
         rate = None  # samples/s, smoothed

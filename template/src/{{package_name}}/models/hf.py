@@ -71,10 +71,6 @@ def model_dir(path: str) -> Path:
             f"(e.g. `hf download {path}`) or give its directory") from None
 
 
-def has_weights(directory: Path) -> bool:
-    return any((directory / name).is_file() for name in WEIGHT_FILES)
-
-
 def hf_config(cfg: HFConfig):
     """The transformers configuration ``cfg`` describes, ``model.config`` passed to the
     constructor so that derived fields such as ``head_dim`` follow it."""
@@ -104,17 +100,16 @@ def hf_config(cfg: HFConfig):
 def build_hf_model(cfg: HFConfig, *, load_weights: bool) -> nn.Module:
     """The causal LM in fp32: pretrained weights from ``model.path`` when ``load_weights`` and
     it has them, else initialised from the configuration (seeded by the caller)."""
-    transformers = transformers_module()
     config = hf_config(cfg)
     options: dict[str, Any] = {"dtype": torch.float32}
     if cfg.attn_implementation:
         options["attn_implementation"] = cfg.attn_implementation
     building_on_meta = torch.get_default_device().type == "meta"  # a configuration check
     directory = model_dir(cfg.path) if cfg.path else None
-    auto = transformers.AutoModelForCausalLM
+    auto = transformers_module().AutoModelForCausalLM
     try:
-        if load_weights and directory is not None and has_weights(directory) \
-                and not building_on_meta:
+        if load_weights and directory is not None and not building_on_meta \
+                and any((directory / name).is_file() for name in WEIGHT_FILES):
             if os.environ.get("RANK", "0") == "0":
                 log.info("loading pretrained weights from %s (first start of this run)", directory)
             model = auto.from_pretrained(directory, config=config, local_files_only=True, **options)
@@ -131,8 +126,7 @@ def build_hf_model(cfg: HFConfig, *, load_weights: bool) -> nn.Module:
 
 
 def check_data_fits(model: nn.Module, vocab_size: int, seq_len: int) -> None:
-    """Refuse data the model cannot read: more token ids than embeddings, longer windows
-    than learned positions."""
+    """Refuse more token ids than the model has embeddings, or windows past its positions."""
     embeddings = model.get_input_embeddings().num_embeddings
     if vocab_size > embeddings:
         raise ConfigError(

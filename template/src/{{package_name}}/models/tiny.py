@@ -25,9 +25,8 @@ class TinyConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        require(self.d_model >= 1, "model.d_model", "must be >= 1", self.d_model)
-        require(self.n_layers >= 1, "model.n_layers", "must be >= 1", self.n_layers)
-        require(self.n_heads >= 1, "model.n_heads", "must be >= 1", self.n_heads)
+        for key in ("d_model", "n_layers", "n_heads"):
+            require(getattr(self, key) >= 1, f"model.{key}", "must be >= 1", getattr(self, key))
         require(self.d_model % max(1, self.n_heads) == 0, "model.d_model",
                 f"must be a multiple of model.n_heads={self.n_heads}", self.d_model)
         require(0 <= self.dropout < 1, "model.dropout", "must be in [0, 1)", self.dropout)

@@ -1,2 +1,1 @@
-"""Stop requests (signals, cloud notices) and the step-boundary vote that stops every
-rank at the same step."""
+"""Stop requests (signals, cloud notices) and the vote that stops every rank at the same step."""

@@ -9,6 +9,7 @@ counts. docs/PREEMPTION.md, "Bounded waits".
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -69,11 +70,9 @@ class LauncherWatch:
         self._done.set()
 
     def _run(self) -> None:
-        while not self._done.wait(self.poll_s):
-            if os.getppid() != self.pid:
-                break
-        else:
-            return
+        while os.getppid() == self.pid:
+            if self._done.wait(self.poll_s):
+                return
         self.watch.request(SOURCE, describe(self.pid))
         time.sleep(self.deadline_s)   # a process that ends in time takes this thread along
         end_now(self.status(), f"the launcher (pid {self.pid}) is gone and this worker did "
@@ -84,10 +83,8 @@ class LauncherWatch:
 def end_now(status: int, sentence: str) -> None:
     """Kill this process's children, say one line if stderr takes it, and exit."""
     for child in multiprocessing.active_children():
-        try:
+        with contextlib.suppress(OSError):
             child.kill()
-        except OSError:
-            pass
     say_if_heard(error_text(f"{sentence} (exit status {status})"))   # nobody may read any more
     time.sleep(0.1)  # the children's SIGKILL is delivered before their parent goes
     os._exit(status)

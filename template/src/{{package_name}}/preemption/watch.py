@@ -7,7 +7,6 @@ notices are polled by one process per node (local rank 0); the vote carries them
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import signal
@@ -18,8 +17,6 @@ from dataclasses import dataclass
 from ..config import NoticeSource, PreemptionConfig
 from ..runtime.exit_codes import INTERRUPTED as INTERRUPTED_EXIT
 from . import early
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

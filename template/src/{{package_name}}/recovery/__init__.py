@@ -1,2 +1,1 @@
-"""Failures other than preemptions: exit records of each start, the step watchdog, the
-no-progress guard, stragglers."""
+"""Failures other than preemptions: exit records, step watchdog, no-progress guard, stragglers."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..runtime.exit_codes import error_line
+from ..runtime.exit_codes import HUNG, error_line
 from ..runtime.output_dirs import make_output_dir
 
 EXITS_DIR = "exits"
@@ -80,10 +80,6 @@ class Attempt:
     def path(self) -> Path:
         return self.dir / f"rank{self.rank}.json"
 
-    def local_records(self) -> list[dict[str, Any]]:
-        """Every record in this node's ``exits`` folder (all ranks', if log.dir is shared)."""
-        return read_records(self.dir.parent)
-
     def _write(self, state: str, **fields: Any) -> None:
         record = {**self._record, "state": state, "step": self.step, **fields,
                   "time": time.time()}
@@ -108,8 +104,6 @@ class Attempt:
         self._write("crashed", status=1, reason=error_line(exc))
 
     def hung(self, waited_s: float, bound_s: float) -> None:
-        from ..runtime.exit_codes import HUNG
-
         self._write("hung", status=HUNG, reason=f"no step finished in {waited_s:.1f} s "
                     f"(bound {bound_s:.1f} s)")
 
@@ -129,7 +123,7 @@ def read_records(log_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
 def gather_previous(attempt: Attempt, world_size: int) -> list[dict[str, Any]]:
     """Every rank's records of the previous start (a collective, before ``attempt.begin()``)."""
-    mine = attempt.local_records()
+    mine = read_records(attempt.dir.parent)   # this node's (all ranks', if log.dir is shared)
     if world_size > 1:
         every: list = [None] * world_size
         dist.all_gather_object(every, mine)
@@ -157,8 +151,7 @@ def describe(record: dict[str, Any]) -> str:
         return f"rank {rank}'s watchdog fired{at}: {record.get('reason', '')}"
     if state == "crashed":
         return f"rank {rank} crashed{at}: {record.get('reason', '')}"
-    status = record.get("status")
-    return f"rank {rank} exited {status}{at}: {record.get('reason', '')}"
+    return f"rank {rank} exited {record.get('status')}{at}: {record.get('reason', '')}"
 
 
 def cause(records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -168,24 +161,21 @@ def cause(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not records:
         return None
     primary = min(records, key=lambda r: (_PRIORITY[r["state"]], r.get("time", 0)))
-    kind = KIND[primary["state"]]
-    if all(r["state"] == "running" for r in records):
-        kind = "killed"
-    status = primary.get("status") if primary["state"] != "running" else None
+    silent = primary["state"] == "running"   # ended without a word: its record says no more
+    kind = "killed" if all(r["state"] == "running" for r in records) else KIND[primary["state"]]
+    status = None if silent else primary.get("status")
     ended = [r["time"] for r in records if r["state"] != "running" and "time" in r]
-    failed_at = None
-    if kind in FAILURES:
-        failed_at = primary.get("time") if primary["state"] != "running" else None
-        if failed_at is None and ended:
-            failed_at = min(ended)
     others = [describe(r) for r in records if r is not primary]
+    failed_at = None if silent or kind not in FAILURES else primary.get("time")
+    if failed_at is None and kind in FAILURES and ended:
+        failed_at = min(ended)
     return {
         "kind": kind,
         "rank": primary.get("rank"),
         "step": primary.get("step"),
         "status": status,
         "signal": signal_of(status),
-        "error": primary.get("reason") if primary["state"] != "running" else None,
+        "error": None if silent else primary.get("reason"),
         "failed_at": failed_at,
         "stopped_at": max(ended) if ended else None,   # the last recorded end of a rank
         "restart": primary.get("restart"),

@@ -77,11 +77,7 @@ class ProgressGuard:
                 began = state["newest_step"] if state is not None else newest
             if newest > began:
                 failed = False              # it committed a newer checkpoint before failing
-        if not failed:
-            if state is not None and newest > state["newest_step"]:
-                self._clear()               # progress since the count began
-                state = None
-        else:
+        if failed:
             key = previous.get("attempt")
             if state is None:
                 state = {"newest_step": newest, "failed_starts": 0, "last_counted": None,
@@ -92,10 +88,11 @@ class ProgressGuard:
                 state["history"] = [*state["history"], previous.get("summary", "")][-HISTORY:]
                 state["updated"] = time.time()
                 self._write(state)
+        elif state is not None and newest > state["newest_step"]:
+            self._clear()               # progress since the count began
+            state = None
         count = state["failed_starts"] if state is not None else 0
-        if self.limit and count >= self.limit:
-            return count, self._refusal(state)
-        return count, None
+        return count, self._refusal(state) if self.limit and count >= self.limit else None
 
     def _refusal(self, state: dict[str, Any]) -> str:
         newest = state["newest_step"]

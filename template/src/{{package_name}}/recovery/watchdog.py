@@ -36,19 +36,17 @@ class StepWatchdog:
         self.first_step_timeout_s = first_step_timeout_s
         self.on_hang = on_hang
         self._exit = exit
-        self._times: deque[float] = deque(maxlen=WINDOW_STEPS)
-        self._steps = 0                # steps finished since this start
+        self._times: deque[float] = deque(maxlen=WINDOW_STEPS)   # empty: no step finished yet
         self.step: int | None = None   # the newest step finished
         self._last = time.monotonic()
         self._deadline = math.inf
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
-        self.fired = False
 
     def timeout_s(self) -> float:
         """The bound on the step now running."""
-        if self._steps == 0:
+        if not self._times:
             return self.first_step_timeout_s
         if self.step_timeout_s > 0:
             return self.step_timeout_s
@@ -59,16 +57,16 @@ class StepWatchdog:
     def start(self, step: int) -> None:
         """Arm it before the first step of this start."""
         self.step = step
-        with self._lock:
-            self._last = time.monotonic()
-            self._deadline = self._last + self.timeout_s()
+        self._rearm()
         self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
         self._thread.start()
 
     def beat(self, step: int, step_time_s: float) -> None:
         self._times.append(step_time_s)
-        self._steps += 1
         self.step = step
+        self._rearm()
+
+    def _rearm(self) -> None:
         with self._lock:
             self._last = time.monotonic()
             self._deadline = self._last + self.timeout_s()
@@ -81,9 +79,7 @@ class StepWatchdog:
         try:
             yield
         finally:
-            with self._lock:
-                self._last = time.monotonic()
-                self._deadline = self._last + self.timeout_s()
+            self._rearm()
 
     def stop(self) -> None:
         """Disarm it (the loop ended: stopping and finishing have bounds of their own)."""
@@ -105,9 +101,8 @@ class StepWatchdog:
                 return
 
     def _fire(self, bound: float) -> None:
-        self.fired = True
         waited = time.monotonic() - self._last
-        after = f"after step {self.step}" if self._steps else f"in the first step ({self.step} done)"
+        after = f"after step {self.step}" if self._times else f"in the first step ({self.step} done)"
         sys.stdout.flush()
         sys.stderr.write(
             f"watchdog: rank {self.rank}: no step finished in {waited:.1f} s {after} (bound "

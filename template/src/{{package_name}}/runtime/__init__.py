@@ -1,2 +1,1 @@
-"""Process-level plumbing every part shares: the process group and its collectives, the
-exit statuses, the event log."""
+"""Process plumbing every part shares: process group, collectives, exit statuses, events."""

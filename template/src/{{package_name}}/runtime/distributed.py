@@ -48,8 +48,7 @@ def setup(backend: str = "auto",
           collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Runtime:
     """Join the process group (without torchrun: make a one-rank one, so the same code path
     serves both) and pick the device. ``backend``: auto (nccl with CUDA, else gloo), nccl, gloo.
-    ``collective_timeout_s`` is longer than the watchdog's bound on purpose (docs/RECOVERY.md).
-    """
+    ``collective_timeout_s`` is longer than the watchdog's bound on purpose (docs/RECOVERY.md)."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -122,10 +121,8 @@ def decide_on_rank0(decide: Callable[[], T]) -> T:
             except Exception:  # noqa: BLE001 - an exception that does not pickle
                 box[1] = RuntimeError(f"on rank 0: {type(exc).__name__}: {exc}")
     dist.broadcast_object_list(box, src=0)
-    if failure is not None:
-        raise failure
     if box[1] is not None:
-        raise box[1]
+        raise failure or box[1]   # rank 0: its own exception (src's box is left as it was)
     return box[0]
 
 

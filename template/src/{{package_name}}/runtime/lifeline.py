@@ -9,10 +9,12 @@ heavy is imported: a spawned child watches before it imports torch. docs/PREEMPT
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from .. import PACKAGE
@@ -47,11 +49,9 @@ def follow_parent(stop_signals: Sequence[int] = ()) -> None:
 def on_parent_gone(parent: int, action: Callable[[], None], *, name: str) -> threading.Thread:
     """Call ``action`` once (a daemon thread) when this process's parent is not ``parent``."""
     def watch() -> None:
-        event = threading.Event()
-        while not event.wait(POLL_S):
-            if os.getppid() != parent:
-                action()
-                return
+        while os.getppid() == parent:
+            time.sleep(POLL_S)
+        action()
 
     thread = threading.Thread(target=watch, name=name, daemon=True)
     thread.start()
@@ -69,11 +69,9 @@ def die_with_parent(parent: int) -> None:
 def say_if_heard(line: str) -> None:
     """Write ``line`` to stderr if it can take it now; never block, never change fd 2 (its
     open file is shared with the job's other processes: a flag set on it would be theirs)."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         if select.select([], [2], [], 0)[1]:
             os.write(2, (line.rstrip("\n") + "\n").encode()[:512])   # below PIPE_BUF
-    except (OSError, ValueError):
-        pass
 
 
 def _only_from(parent: int, stop_signals: Sequence[int]) -> None:

@@ -49,9 +49,8 @@ def process_start_time() -> float:
             fields = handle.read().rsplit(")", 1)[1].split()
         with open("/proc/uptime", encoding="ascii") as handle:
             uptime = float(handle.read().split()[0])
-        now = time.time()
         started_after_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")   # stat(5) field 22
-        return now - (uptime - started_after_boot)
+        return time.time() - (uptime - started_after_boot)
     except (OSError, ValueError, IndexError):
         return _IMPORTED_AT
 

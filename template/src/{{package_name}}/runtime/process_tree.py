@@ -5,6 +5,7 @@ The drill loses a run as a machine is lost: every process of it SIGKILLed at one
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -82,10 +83,8 @@ def process_tree(root: int) -> list[int]:
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def kill_tree(root: int) -> int:

@@ -7,7 +7,9 @@ Each is answered by behaviour wherever a build can carry a fix its version does 
 from __future__ import annotations
 
 import functools
+import itertools
 import re
+import signal
 
 import torch
 
@@ -21,9 +23,7 @@ SIGNALS_FLAG = "--signals-to-handle"
 def release(version: str) -> tuple[int, int, int]:
     """The numeric release of a torch version string: ``2.12.0a0+git1a2b`` is (2, 12, 0)."""
     match = re.match(r"\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)
-    if match is None:
-        return (0, 0, 0)
-    return tuple(int(part or 0) for part in match.groups())
+    return tuple(int(part or 0) for part in match.groups()) if match else (0, 0, 0)
 
 
 def torch_too_old(version: str = torch.__version__) -> str | None:
@@ -70,14 +70,12 @@ def torchrun_takes(flag: str) -> bool:
 def torchrun_arguments(argv: list[str]) -> list[str]:
     """torchrun's arguments as this torch takes them; a flag it lacks is done here instead."""
     kept = list(argv)
-    if not torchrun_takes(SIGNALS_FLAG):
-        kept, names = _take_option(kept, SIGNALS_FLAG)
-        if names:
-            _handle_signals(names.split(","))
-    if not torchrun_takes(SHUTDOWN_TIMEOUT_FLAG):
-        kept, timeout_s = _take_option(kept, SHUTDOWN_TIMEOUT_FLAG)
-        if timeout_s is not None:
-            _hold_workers_after_signal(int(float(timeout_s)))
+    for flag, do_here in ((SIGNALS_FLAG, _handle_signals),
+                          (SHUTDOWN_TIMEOUT_FLAG, _hold_workers_after_signal)):
+        if not torchrun_takes(flag):
+            kept, value = _take_option(kept, flag)
+            if value is not None:
+                do_here(value)
     return kept
 
 
@@ -87,39 +85,34 @@ def _take_option(argv: list[str], flag: str) -> tuple[list[str], str | None]:
     takes_value = _torchrun_options()
     kept: list[str] = []
     value = None
-    at = 0
-    while at < len(argv):
-        arg = argv[at]
+    rest = iter(argv)
+    for arg in rest:
         if not arg.startswith("-") or arg in ("-m", "--module"):
-            kept += argv[at:]        # the script or module, and its arguments: not torchrun's
+            kept += [arg, *rest]     # the script or module, and its arguments: not torchrun's
             break
         name, sep, setting = arg.partition("=")
         if name in names:
-            value = setting if sep else (argv[at + 1] if at + 1 < len(argv) else None)
-            at += 1 if sep else 2
+            value = setting if sep else next(rest, None)
             continue
         kept.append(arg)
-        if not sep and takes_value.get(name, False) and at + 1 < len(argv):
-            kept.append(argv[at + 1])
-            at += 1
-        at += 1
+        if not sep and takes_value.get(name, False):
+            kept += itertools.islice(rest, 1)   # its value, if there is one
     return kept, value
 
 
-def _handle_signals(names: list[str]) -> None:
+def _handle_signals(names: str) -> None:
     """What ``--signals-to-handle`` does from 2.10: torchrun's own handler for each signal."""
-    import signal
-
     from torch.distributed.elastic.multiprocessing import api
 
-    for name in filter(None, (n.strip() for n in names)):
+    for name in filter(None, (n.strip() for n in names.split(","))):
         signal.signal(getattr(signal, name), api._terminate_process_handler)
 
 
-def _hold_workers_after_signal(timeout_s: int) -> None:
-    """torchrun waits ``timeout_s`` (not 30 s) for the workers after a signal (before 2.12)."""
+def _hold_workers_after_signal(timeout: str) -> None:
+    """torchrun waits ``timeout`` seconds (not 30) for the workers after a signal (before 2.12)."""
     from torch.distributed.elastic.multiprocessing import api
 
+    timeout_s = int(float(timeout))
     close = api.PContext.close
     if getattr(close, "timeout_s", None) is not None:
         close = close.original

@@ -94,16 +94,6 @@ def _drop_from_page_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def _read_file(path: Path, buffer: bytearray) -> int:
-    total = 0
-    with open(path, "rb", buffering=0) as handle:
-        while True:
-            got = handle.readinto(buffer)
-            if not got:
-                return total
-            total += got
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=f"torchrun --nproc-per-node N -m {PACKAGE}.bench",
@@ -136,8 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     for name in ("repeats", "train_steps", "interval", "nproc"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
+        if (value := getattr(args, name)) is not None and value < 1:
             raise Refused(f"--{name.replace('_', '-')} must be >= 1")
     try:
         cfg = load_config(args.config, args.overrides)
@@ -179,18 +168,16 @@ def main(argv: list[str] | None = None) -> int:
         if any_rank(bench.checkpointer.synchronous)[0]:
             raise Refused(pipeline.last_error or "the checkpoint process did not start")
         if args.train_steps is not None:
-            report = measure_throughput(
+            report = {"world_size": runtime.world_size, "mode": mode.value, **measure_throughput(
                 bench, args.train_steps, args.interval or cfg.checkpoint.interval_steps,
-                args.repeats, int(cfg.data.get("seq_len", 0)) or None)
+                args.repeats, int(cfg.data.get("seq_len", 0)) or None)}
             pipeline.close()
-            report = {"world_size": runtime.world_size, "mode": mode.value, **report}
-            if runtime.is_main:
-                print(json.dumps(report) if args.json else throughput_text(report))
-            return 0
-        report = _measure(args, runtime, root, bench, mode)
-        report["warm_up_s"] = warm_up_s
+            text = throughput_text
+        else:
+            report = {**_measure(args, runtime, root, bench, mode), "warm_up_s": warm_up_s}
+            text = report_text
         if runtime.is_main:
-            print(json.dumps(report) if args.json else report_text(report))
+            print(json.dumps(report) if args.json else text(report))
         return 0
     finally:
         if bench is not None:
@@ -237,8 +224,7 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
     payload = os.urandom(1 << 20)
 
     def disk_bound(i: int) -> None:
-        target = root / f"raw_{i}_{runtime.rank}.bin"
-        with open(target, "wb") as handle:
+        with open(root / f"raw_{i}_{runtime.rank}.bin", "wb") as handle:
             handle.writelines(payload for _ in range(max(1, -(-local_bytes >> 20))))
             handle.flush()
             os.fsync(handle.fileno())
@@ -254,12 +240,10 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
             with open(target, "rb") as handle:
                 os.fsync(handle.fileno())
 
-    def dcp_sync(i: int) -> None:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(root / f"dcp_{i}", sync_files=True),
-                 planner=PlainDcpPlanner(enable_plan_caching=True))
-
     measure("baseline", baseline)
-    measure("dcp_sync", dcp_sync)
+    measure("dcp_sync", lambda i: dcp.save(
+        state, storage_writer=dcp.FileSystemWriter(root / f"dcp_{i}", sync_files=True),
+        planner=PlainDcpPlanner(enable_plan_caching=True)))
     cache_hits = PlainDcpPlanner.cache_hits
 
     timings["async_blocking"], timings["async_commit"] = [], []
@@ -290,17 +274,17 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
         if runtime.is_main and pipeline.newest() is None:
             raise RuntimeError("the newest checkpoint did not verify")
 
-    def load(_: int) -> None:
-        load_checkpoint(pipeline.storage, state, checkpoint, pipeline.verify)
-
     buffer = bytearray(8 << 20)
 
     def read_bound(_: int) -> None:
         for path in own:
-            _read_file(path, buffer)
+            with open(path, "rb", buffering=0) as handle:
+                while handle.readinto(buffer):
+                    pass
 
     measure("verify", verify, before=evict)
-    measure("load", load, before=evict)
+    measure("load", lambda _: load_checkpoint(pipeline.storage, state, checkpoint,
+                                              pipeline.verify), before=evict)
     measure("read_bound", read_bound, before=evict)
     baseline_file = root / f"baseline_{args.repeats - 1}.pt"
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -336,9 +320,7 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
 
     if not runtime.is_main:   # the saves' results and the report are rank 0's
         return {}
-    med = {name: statistics.median(values) if values else None
-           for name, values in timings.items()}
-    staged = (getattr(stager, "fast_stages", 0), getattr(stager, "full_stages", 0))
+    med = {name: statistics.median(values) if values else None for name, values in timings.items()}
     return {
         "world_size": runtime.world_size,
         "mode": mode.value,
@@ -356,7 +338,7 @@ def _measure(args: argparse.Namespace, runtime: Runtime, root: Path, bench: Benc
         "memory_nodes": memory["nodes"],
         "plan_cache_hits": cache_hits,
         "plan_cache_possible": args.repeats,
-        "staged_fast": staged[0],
-        "staged_full": staged[1],
+        "staged_fast": getattr(stager, "fast_stages", 0),
+        "staged_full": getattr(stager, "full_stages", 0),
         "repeats": args.repeats,
     }

@@ -77,8 +77,7 @@ def report_text(r: dict) -> str:
 
 
 def throughput_text(r: dict) -> str:
-    rate = r["samples_per_s"]
-    tokens = r["tokens_per_s"]
+    rate, tokens = r["samples_per_s"], r["tokens_per_s"]
     unit = (f"{tokens['without']:,.0f} -> {tokens['with']:,.0f} tokens/s" if tokens
             else f"{rate['without']:.2f} -> {rate['with']:.2f} samples/s")
     return (f"{r['train_steps']} steps without and with a save every {r['interval']} steps "

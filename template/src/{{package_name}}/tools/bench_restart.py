@@ -31,6 +31,7 @@ from ..runtime.exit_codes import Refused
 from ..runtime.metrics import Event, read_events
 from ..runtime.output_dirs import make_output_dir
 from ..runtime.phases import ORDER, Phase
+from .bench_report import fmt
 
 START_TIMEOUT_S = 300.0   # a start that has not trained a step by then failed
 STOP_TIMEOUT_S = 120.0    # a stopped job that has not exited by then is killed
@@ -53,8 +54,7 @@ def run(cfg: Config, overrides: list[str], *, repeats: int, nproc: int, scratch:
         mode: {"resumes": [], "kills": []} for mode in MODES}
     for cycle in range(repeats + 1):   # the first trains from nothing: not a resume
         for mode in MODES:
-            resume, kill = _cycle(overrides, nproc, scratch / mode, cycle,
-                                  warm=mode == "warm")
+            resume, kill = _cycle(overrides, nproc, scratch / mode, cycle, warm=mode == "warm")
             if resume is not None:
                 samples[mode]["resumes"].append(resume)
             if len(samples[mode]["kills"]) < repeats:
@@ -123,14 +123,14 @@ def text(report: dict[str, Any]) -> str:
     for title, key in (("stopped job: resume launched -> first step",
                         "stopped_job_to_first_step_s"),
                        ("worker killed -> first new step", "worker_death_to_first_step_s")):
-        lines.append(f"  {title:<44} {_fmt(report[key]):>7} {_fmt(cold[key]):>7} "
-                     f"{_fmt(ratio[key]):>9}")
+        lines.append(f"  {title:<44} {fmt(report[key], '.2f'):>7} {fmt(cold[key], '.2f'):>7} "
+                     f"{fmt(ratio[key], '.2f'):>9}")
     for title, key in (("stopped job", "stopped_job_phases_s"),
                        ("worker killed", "worker_death_phases_s")):
         lines.append(f"phases after '{title}' (median seconds each took):   warm    cold")
-        names = list(dict.fromkeys([*report[key], *cold[key]]))
-        lines += [f"  {name:<40} {_fmt(report[key].get(name)):>7} "
-                  f"{_fmt(cold[key].get(name)):>7}" for name in names]
+        lines += [f"  {name:<40} {fmt(report[key].get(name), '.2f'):>7} "
+                  f"{fmt(cold[key].get(name), '.2f'):>7}"
+                  for name in dict.fromkeys([*report[key], *cold[key]])]
     return "\n".join(lines)
 
 
@@ -151,8 +151,7 @@ def _phases_after(logs: Path, since: float, restart: int | None,
         done = [e for e in events if e["phase"] == Phase.first_step.value
                 and (restart is None or e.get("restart") == restart)]
         if done:
-            step = done[0]["step"]
-            return [e for e in events if e.get("step") == step
+            return [e for e in events if e.get("step") == done[0]["step"]
                     and e.get("restart") == done[0].get("restart")]
         if proc.poll() is not None:
             raise RestartFailed(f"resume exited with status {proc.returncode} before its "
@@ -195,12 +194,11 @@ def _stop(proc: subprocess.Popen) -> None:
 def _figure(events: list[dict[str, Any]], began: float, origin: str) -> dict[str, Any]:
     """Seconds from ``began`` to the first step, and each phase's (the first from ``began``)."""
     rows = sorted(events, key=lambda e: ORDER.index(Phase(e["phase"])))
-    phases, before = {}, None
+    phases, before = {}, began
     for row in rows:
-        if row["at"] < began - 0.5:   # the failure's own records, before the kill
-            continue
-        phases[row["phase"]] = row["at"] - (before if before is not None else began)
-        before = row["at"]
+        if row["at"] >= began - 0.5:   # not the failure's own records, before the kill
+            phases[row["phase"]] = row["at"] - before
+            before = row["at"]
     first = next(e["at"] for e in rows if e["phase"] == Phase.first_step.value)
     named = {f"{origin} -> " + k if i == 0 else k: v for i, (k, v) in enumerate(phases.items())}
     return {"seconds": first - began, "phases": named}
@@ -214,10 +212,6 @@ def _median_phases(figures: list[dict[str, Any]]) -> dict[str, float | None]:
     names = dict.fromkeys(n for figure in figures for n in figure["phases"])
     return {name: _median([f["phases"][name] for f in figures if name in f["phases"]])
             for name in names}
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
 
 
 def main(cfg: Config, overrides: list[str], *, repeats: int, nproc: int, as_json: bool,

@@ -59,9 +59,8 @@ def run_and_kill(drill: Drill, commands: list[list[str]], name: str) -> dict:
     """Start the run (a command per node); SIGKILL it all once step K is committed and passed."""
     base = drill.out / name
     logs = output_logs(base, len(commands))
-    tail = EventTail(base / "logs")
     with running(commands, logs) as procs:
-        wait_past(drill, procs, logs, tail, drill.interrupt_at + 1)
+        wait_past(drill, procs, logs, EventTail(base / "logs"), drill.interrupt_at + 1)
         killed_at = time.time()
         killed = sum(kill_tree(proc.pid) for proc in procs)
     return {"killed_at": killed_at, "processes_killed": killed, "node_loss": None}
@@ -146,10 +145,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def default_interval(k: int) -> int:
-    return max(d for d in range(1, MAX_DEFAULT_INTERVAL + 1) if k % d == 0)
-
-
 def prepare(args: argparse.Namespace) -> Drill:
     """Check every argument before anything runs; raises ValueError with the reason."""
     if args.tier == "memory":
@@ -159,11 +154,10 @@ def prepare(args: argparse.Namespace) -> Drill:
         raise ValueError(f"--interrupt-at must be at least 1 and below --steps={args.steps}, "
                          f"so that training runs on after the checkpoint (got {k})")
     for item in args.overrides:
-        key = item.split("=", 1)[0]
-        if key in OWNED_KEYS:
+        if (key := item.split("=", 1)[0]) in OWNED_KEYS:
             raise ValueError(f"{key} is set by the drill; use {OWNED_KEYS[key]} instead")
-    overrides = [*small_model(args), f"checkpoint.interval_steps={default_interval(k)}",
-                 *args.overrides]
+    default = max(d for d in range(1, MAX_DEFAULT_INTERVAL + 1) if k % d == 0)
+    overrides = [*small_model(args), f"checkpoint.interval_steps={default}", *args.overrides]
     cfg = load_config(args.config, overrides)
     check_config(load_task(), cfg)
     interval = cfg.checkpoint.interval_steps

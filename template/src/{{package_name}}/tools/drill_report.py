@@ -79,17 +79,12 @@ def compare(reference: dict[int, dict], other: dict[int, dict]) -> dict[str, Any
             row[f"abs_{key}_diff"] = abs(b - a)
             row[f"rel_{key}_diff"] = abs(b - a) / abs(a) if a else (0.0 if a == b else math.inf)
         rows.append(row)
-
-    def worst(column: str) -> float | None:
-        return max((r[column] for r in rows), default=None)
-
     return {
         "compared_steps": [r["step"] for r in rows],
         "missing_from_reference": missing,
-        "max_abs_loss_diff": worst("abs_loss_diff"),
-        "max_rel_loss_diff": worst("rel_loss_diff"),
-        "max_abs_grad_norm_diff": worst("abs_grad_norm_diff"),
-        "max_rel_grad_norm_diff": worst("rel_grad_norm_diff"),
+        **{f"max_{column}": max((r[column] for r in rows), default=None)
+           for column in ("abs_loss_diff", "rel_loss_diff", "abs_grad_norm_diff",
+                          "rel_grad_norm_diff")},
         "rows": rows,
     }
 
@@ -172,10 +167,8 @@ def build(drill, kill: dict[str, Any],
         "saved_grad_accum_steps": before.start.get("grad_accum_steps"),
         "resume_grad_accum_steps": after.start.get("grad_accum_steps"),
         "dropout": dropout,
-        "max_abs_loss_diff": diffs["max_abs_loss_diff"],
-        "max_rel_loss_diff": diffs["max_rel_loss_diff"],
-        "max_abs_grad_norm_diff": diffs["max_abs_grad_norm_diff"],
-        "max_rel_grad_norm_diff": diffs["max_rel_grad_norm_diff"],
+        **{key: diffs[key] for key in ("max_abs_loss_diff", "max_rel_loss_diff",
+                                       "max_abs_grad_norm_diff", "max_rel_grad_norm_diff")},
         "tolerance": 0.0 if same_world else RESHARD_REL_TOL,
         "before_kill_max_abs_loss_diff": determinism["max_abs_loss_diff"],
         "resume_seconds": (first_after["time"] - kill["killed_at"]) if first_after else None,
@@ -295,10 +288,9 @@ def plot(path: Path, reference: Run, before: Run, after: Run, r: dict[str, Any])
     for ax in (top, bottom):
         ax.axvline(r["resumed_from_step"], ls="--", color="gray", lw=1)
         ax.axvline(r["interrupted_at_step"], ls=":", color="red", lw=1)
-    top.text(r["resumed_from_step"], top.get_ylim()[1], "checkpoint ", va="top", ha="right",
-             color="gray")
-    top.text(r["interrupted_at_step"], top.get_ylim()[1], " kill -9", va="top", ha="left",
-             color="red")
+    for key, label, ha, color in (("resumed_from_step", "checkpoint ", "right", "gray"),
+                                  ("interrupted_at_step", " kill -9", "left", "red")):
+        top.text(r[key], top.get_ylim()[1], label, va="top", ha=ha, color=color)
     top.set_ylabel("loss")
     top.legend(loc="lower left", fontsize=8)
     top.set_title(f"{'PASSED' if r['passed'] else 'FAILED'}: {r['verdict']}", fontsize=9)
@@ -316,8 +308,7 @@ def plot(path: Path, reference: Run, before: Run, after: Run, r: dict[str, Any])
         bottom.text(0.5, 0.5, "every difference is 0 (bit-identical)", ha="center",
                     va="center", transform=bottom.transAxes)
         bottom.set_yticks([])
-    bottom.set_ylabel("rel. loss diff")
-    bottom.set_xlabel("step")
+    bottom.set(ylabel="rel. loss diff", xlabel="step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -52,22 +52,21 @@ class Drill:
     started: float = field(default_factory=time.monotonic)
     commands: dict[str, list[str]] = field(default_factory=dict)
 
-    def run_dirs(self, name: str) -> list[str]:
+    def run_args(self, name: str) -> list[str]:
         base = self.out / name
-        return [*self.overrides, f"train.max_steps={self.steps}",
+        config = ["--config", self.config] if self.config else []
+        return [*config, *self.overrides, f"train.max_steps={self.steps}",
                 f"checkpoint.dir={base / 'checkpoints'}", f"log.dir={base / 'logs'}"]
 
     def train_command(self, name: str) -> list[str]:
-        config = ["--config", self.config] if self.config else []
-        return torchrun_command("train", [*config, *self.run_dirs(name)], self.cfg.preemption,
+        return torchrun_command("train", self.run_args(name), self.cfg.preemption,
                                 nproc_per_node=self.save_ranks,
                                 max_restarts=self.cfg.recovery.max_restarts,
                                 warm_start=self.cfg.recovery.warm_start)
 
     def resume_command(self, name: str = "interrupted") -> list[str]:
-        config = ["--config", self.config] if self.config else []
         return [sys.executable, "-m", f"{PACKAGE}.resume",
-                "--nproc-per-node", str(self.resume_ranks), *config, *self.run_dirs(name)]
+                "--nproc-per-node", str(self.resume_ranks), *self.run_args(name)]
 
     def say(self, message: str) -> None:
         print(f"[{time.monotonic() - self.started:6.1f} s] {message}", flush=True)
@@ -86,19 +85,17 @@ def config_path(args: argparse.Namespace) -> str | None:
 def check_devices(cfg: Config, ranks: int) -> None:
     import torch
 
-    if torch.cuda.is_available() and cfg.distributed.backend != "gloo":
-        count = torch.cuda.device_count()
-        if ranks > count:
-            raise ValueError(f"{ranks} ranks need {ranks} GPUs, this machine has {count}; "
-                             "use fewer ranks or distributed.backend=gloo to drill on CPU")
+    if (torch.cuda.is_available() and cfg.distributed.backend != "gloo"
+            and ranks > (count := torch.cuda.device_count())):
+        raise ValueError(f"{ranks} ranks need {ranks} GPUs, this machine has {count}; "
+                         "use fewer ranks or distributed.backend=gloo to drill on CPU")
 
 
 def start(command: list[str], log_path: Path) -> subprocess.Popen:
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     # torchrun sets one OpenMP thread per worker only for several workers: the same for
     # one keeps N and M ranks' throughput comparable and a one-rank CPU run in its cores.
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "w", encoding="utf-8") as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -110,13 +107,12 @@ def run_to_end(drill: Drill, command: list[str], log_path: Path, what: str) -> N
 def finish(proc: subprocess.Popen, timeout_s: float, what: str, log_path: Path) -> None:
     """Wait for a run that must end with exit status 0 (bounded)."""
     try:
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            proc.wait()
-            raise DrillError(f"{what} did not finish within {timeout_s:g} s (killed); "
-                             f"see {log_path}") from None
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.wait()
+        raise DrillError(f"{what} did not finish within {timeout_s:g} s (killed); "
+                         f"see {log_path}") from None
     except BaseException:
         if proc.poll() is None:  # Ctrl-C or an error here: leave no training behind
             kill_tree(proc.pid)
@@ -158,8 +154,7 @@ def wait_past(drill: Drill, procs: list[subprocess.Popen], logs: list[Path], tai
             passed |= event["event"] == Event.step and event.get("step", 0) >= target
         if saved and passed:
             break
-        ended = next((p for p in procs if p.poll() is not None), None)
-        if ended is not None:
+        if (ended := next((p for p in procs if p.poll() is not None), None)) is not None:
             raise DrillError(
                 f"the run ended (exit {ended.returncode}) before the checkpoint of step "
                 f"{k} committed and a later step ran; use more --steps or a smaller "

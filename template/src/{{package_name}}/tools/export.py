@@ -55,23 +55,20 @@ class ExportError(Exception):
 def find_checkpoint(argument: str | None, checkpoint_dir: str,
                     best: BestRule | None = None) -> tuple[Storage, Committed]:
     """The checkpoint named (it must be complete), the best by ``best`` (--best), or the newest."""
-    if best is not None:
-        if argument is not None:
-            raise ExportError("give either CHECKPOINT or --best, not both")
+    if argument is None:
         storage = open_storage(checkpoint_dir)
-        ranked = best.best(list_committed(storage))
-        if not ranked:
+        found = (newest_complete_checkpoint(storage) if best is None
+                 else next(iter(best.best(list_committed(storage))), None))
+        if found is None and best is None:
+            raise ExportError(f"no complete checkpoint in {checkpoint_dir} (checkpoint.dir); "
+                              "name one, or set checkpoint.dir=...")
+        if found is None:
             raise ExportError(f"no checkpoint in {checkpoint_dir} was evaluated at its own "
                               f"step with {best.metric} (set eval.every_steps to a multiple "
                               "of checkpoint.interval_steps)")
-        return storage, ranked[0]
-    if argument is None:
-        storage = open_storage(checkpoint_dir)
-        found = newest_complete_checkpoint(storage)
-        if found is None:
-            raise ExportError(f"no complete checkpoint in {checkpoint_dir} (checkpoint.dir); "
-                              "name one, or set checkpoint.dir=...")
         return storage, found
+    if best is not None:
+        raise ExportError("give either CHECKPOINT or --best, not both")
     root, _, name = argument.rstrip("/").rpartition("/")
     storage = open_storage(root or ".")
     for committed in list_committed(storage):
@@ -90,9 +87,10 @@ def model_tensors(storage: Storage, checkpoint: Committed) -> dict[str, TensorSt
 
 
 def load_weights(storage: Storage, checkpoint: Committed,
-                 wanted: dict[str, TensorStorageMetadata]) -> dict[str, torch.Tensor]:
-    """The full tensors of ``wanted`` from every rank's shard (no process group), read as
-    training reads them: nothing in the checkpoint run as code (checkpoint/load/safe_load.py)."""
+                 wanted: dict[str, TensorStorageMetadata],
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``wanted``'s full tensors as ``dtype``, from every rank's shard (no process group), read
+    as training reads them: nothing in the checkpoint run as code (checkpoint/load/safe_load.py)."""
     state = {MODEL_PREFIX + name: torch.empty(meta.size, dtype=meta.properties.dtype)
              for name, meta in wanted.items()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
@@ -101,11 +99,10 @@ def load_weights(storage: Storage, checkpoint: Committed,
             dcp.load(state, storage_reader=open_reader(storage, checkpoint.name),
                      planner=SafeLoadPlanner(), no_dist=True)
         except BaseException as exc:  # DCP wraps errors in CheckpointException (a BaseException)
-            unsafe = unsafe_failure(exc)
-            if unsafe is not None:
+            if (unsafe := unsafe_failure(exc)) is not None:
                 raise unsafe from None
             raise
-    return {key[len(MODEL_PREFIX):]: tensor for key, tensor in state.items()}
+    return {key[len(MODEL_PREFIX):]: tensor.to(dtype) for key, tensor in state.items()}
 
 
 def parse_size(text: str) -> int:
@@ -142,21 +139,20 @@ def write_safetensors(storage: Storage, checkpoint: Committed,
 
     plan = shard_plan(tensors, dtype, max_bytes)
     files = max(plan.values())
+    index_file = out / "model.safetensors.index.json"
     weight_map: dict[str, str] = {}
     total = 0
     for index in range(1, files + 1):
         wanted = {name: meta for name, meta in tensors.items() if plan[name] == index}
-        weights = {name: t.to(dtype) for name, t in
-                   load_weights(storage, checkpoint, wanted).items()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(weights, storage_writer=HuggingFaceStorageWriter(
-                str(out), fqn_to_index_mapping=plan if files > 1 else None), no_dist=True)
-        written = json.loads((out / "model.safetensors.index.json").read_text())
+            dcp.save(load_weights(storage, checkpoint, wanted, dtype),
+                     storage_writer=HuggingFaceStorageWriter(
+                         str(out), fqn_to_index_mapping=plan if files > 1 else None),
+                     no_dist=True)
+        written = json.loads(index_file.read_text())
         weight_map.update(written["weight_map"])
         total += written["metadata"]["total_size"]
-        del weights
-    index_file = out / "model.safetensors.index.json"
     if files == 1:  # the usual single-file layout: model.safetensors, no index
         (out / next(iter(weight_map.values()))).rename(out / "model.safetensors")
         index_file.unlink()
@@ -174,8 +170,10 @@ def check_matches(config: Any, tensors: dict[str, TensorStorageMetadata]) -> str
         model = transformers.AutoModelForCausalLM.from_config(config)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     saved = {name: tuple(meta.size) for name, meta in tensors.items()}
+    tied = ((getattr(model, "_tied_weights_keys", None) or ())
+            if getattr(model.config, "tie_word_embeddings", False) else ())
     problems = [f"{name} missing from the checkpoint" for name in expected
-                if name not in saved and not _tied(model, name)]
+                if name not in saved and name not in tied]
     problems += [f"{name} not in {type(model).__name__}" for name in saved if name not in expected]
     problems += [f"{name}: checkpoint {saved[name]}, model {shape}"
                  for name, shape in expected.items() if name in saved and saved[name] != shape]
@@ -184,11 +182,6 @@ def check_matches(config: Any, tensors: dict[str, TensorStorageMetadata]) -> str
                           + "; ".join(problems[:5])
                           + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""))
     return type(model).__name__
-
-
-def _tied(model: Any, name: str) -> bool:
-    tied = getattr(model, "_tied_weights_keys", None) or ()
-    return getattr(model.config, "tie_word_embeddings", False) and name in tied
 
 
 def copy_tokenizer(run_config: dict[str, Any], out: Path) -> str | None:
@@ -265,16 +258,14 @@ def export(args: argparse.Namespace) -> str:
         raise ExportError(f"{checkpoint.path} holds no model weights under {MODEL_PREFIX!r}")
     dtype = DTYPES[args.dtype]
     if args.format == "torch":
-        weights = {name: t.to(dtype) for name, t in
-                   load_weights(storage, checkpoint, tensors).items()}
+        weights = load_weights(storage, checkpoint, tensors, dtype)
         args.out.mkdir(parents=True, exist_ok=True)
         torch.save(weights, args.out / "model.pt")
         return (f"wrote {args.out / 'model.pt'}: {len(weights)} tensors from {checkpoint.path} "
                 f"(step {checkpoint.step}); load with torch.load(path, weights_only=True)")
 
     section = run_model_section(checkpoint.record, cfg.model, args.overrides)
-    kind = section.get("kind", "tiny")
-    if kind != "hf":
+    if (kind := section.get("kind", "tiny")) != "hf":
         raise ExportError(f"--format hf exports runs of model.kind=hf; {checkpoint.path} was "
                           f"trained with model.kind={kind} (use --format torch)")
     own = {f.name for f in dataclasses.fields(HFConfig)}

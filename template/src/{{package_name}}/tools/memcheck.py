@@ -11,6 +11,7 @@ the largest relative difference. Exit status: 0 within 10 %, 1 otherwise, 2 bad 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -54,13 +55,11 @@ def write_tokens(directory: Path, size_bytes: int, seed: int = 0) -> int:
 def _status(pid: int) -> dict[str, int]:
     """VmRSS, RssAnon and RssFile of ``pid`` in KiB (empty once it has exited)."""
     fields = {}
-    try:
+    with contextlib.suppress(OSError, ValueError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             name, _, value = line.partition(":")
             if name in ("VmRSS", "RssAnon", "RssFile"):
                 fields[name] = int(value.split()[0])
-    except (OSError, ValueError):
-        pass
     return fields
 
 
@@ -75,9 +74,7 @@ def measure(data: Path, work: Path, steps: int, overrides: list[str]) -> dict[st
     with open(work / "train.log", "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         while proc.poll() is None:
-            now = _status(proc.pid)
-            if now.get("VmRSS", 0) > peak.get("VmRSS", 0):
-                peak = now
+            peak = max(peak, _status(proc.pid), key=lambda fields: fields.get("VmRSS", 0))
             time.sleep(0.02)
     if proc.returncode != 0:
         raise RuntimeError(f"training exited {proc.returncode}; see {work / 'train.log'}")
@@ -109,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="memcheck-",
                                  dir=make_output_dir(args.dir) if args.dir else None))
     ignore_in_git(root)   # removed at the end; meanwhile (or after a kill) never in git
-    results = []
+    rss = []
     try:
         for size in sizes:
             base = root / f"{size}"
@@ -118,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             tokens = write_tokens(base / "tokens", size)
             written = time.monotonic() - began
             peak = measure(base / "tokens", base, args.steps, args.overrides)
-            results.append((size, peak))
+            rss.append(peak["VmRSS"])
             print(f"{size / 2**20:9,.0f} MiB of tokens ({tokens:,} tokens, written in "
                   f"{written:.1f} s): peak resident {peak['VmRSS']:7.1f} MiB "
                   f"(anonymous {peak.get('RssAnon', 0):.1f}, file-backed "
@@ -126,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(base / "tokens")
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    rss = [peak["VmRSS"] for _, peak in results]
     spread = (max(rss) - min(rss)) / min(rss)
     verdict = "within" if spread < TOLERANCE else "NOT within"
     print(f"largest difference {spread * 100:.1f}%: {verdict} {TOLERANCE * 100:.0f}%")

@@ -64,42 +64,39 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Overrides are key=value pairs for the config, e.g. plan.mtbi_hours=4; exit "
         "status 2: bad flags or configuration.",
     )
-    num = {"type": float, "default": None}
-    parser.add_argument("--mtbi-hours", metavar="H", **num,
-                        help="mean time between interruptions of one node, hours")
-    parser.add_argument("--nodes", metavar="N", type=int, default=None,
-                        help="nodes the job runs on (default 1): the job's MTBI is the "
-                             "node's divided by N, since any node's loss interrupts the job")
-    parser.add_argument("--step-seconds", metavar="T", **num, help="time of one optimizer step")
-    parser.add_argument("--blocking-seconds", metavar="D", **num,
-                        help="time one save blocks training (δ)")
-    parser.add_argument("--commit-latency-seconds", metavar="L", **num,
-                        help="from save start until it is committed (L >= δ; "
-                             "sync saves: L = δ; default: δ)")
-    parser.add_argument("--restart-seconds", metavar="R", **num,
-                        help="from an interruption until training runs again")
-    parser.add_argument("--badput-target-percent", metavar="P", **num,
-                        help="share of machine time you accept losing, percent (0-100)")
-    parser.add_argument("--crash-share", metavar="C", **num,
-                        help="assumed share of interruptions that are crashes, restarted in "
-                             "place, rather than preemptions, rescheduled (0-1; default 0.5)")
-    parser.add_argument("--node-loss-share", metavar="NU", **num,
-                        help="assumed share of interruptions that take one node, its memory with "
-                             "it, while the job's other machines stay: the memory tier's partner "
-                             "copy survives them (0-1, crash share + this <= 1; default 0.2)")
-    parser.add_argument("--memory-interval-steps", metavar="K", type=int, default=None,
-                        help="memory tier: a copy in host memory and on a partner node every K "
-                             "steps, 0 = off (default: checkpoint.memory_interval_steps of the "
-                             "config, else 0); badput is shown at K too")
-    parser.add_argument("--memory-blocking-seconds", metavar="D_M", **num,
-                        help="time one memory save blocks training (δ_m; default δ: both are "
-                             "one copy of the state into host memory)")
-    parser.add_argument("--memory-send-seconds", metavar="S", **num,
-                        help="time to send a memory copy to the partner rank: the memory "
-                             "commit latency is L_m = δ_m + S (default 0)")
-    parser.add_argument("--in-place-restart-seconds", metavar="R_IN", **num,
-                        help="from a crash until training runs again after torchrun restarted "
-                             "the workers in place (default: measured by --metrics)")
+    for flag, metavar, text in (
+        ("--mtbi-hours", "H", "mean time between interruptions of one node, hours"),
+        ("--nodes", "N", ("nodes the job runs on (default 1): the job's MTBI is the node's "
+                          "divided by N, since any node's loss interrupts the job")),
+        ("--step-seconds", "T", "time of one optimizer step"),
+        ("--blocking-seconds", "D", "time one save blocks training (δ)"),
+        ("--commit-latency-seconds", "L", ("from save start until it is committed (L >= δ; "
+                                           "sync saves: L = δ; default: δ)")),
+        ("--restart-seconds", "R", "from an interruption until training runs again"),
+        ("--badput-target-percent", "P",
+         "share of machine time you accept losing, percent (0-100)"),
+        ("--crash-share", "C", ("assumed share of interruptions that are crashes, restarted "
+                                "in place, rather than preemptions, rescheduled (0-1; default "
+                                "0.5)")),
+        ("--node-loss-share", "NU", ("assumed share of interruptions that take one node, its "
+                                     "memory with it, while the job's other machines stay: the "
+                                     "memory tier's partner copy survives them (0-1, crash "
+                                     "share + this <= 1; default 0.2)")),
+        ("--memory-interval-steps", "K", ("memory tier: a copy in host memory and on a partner "
+                                          "node every K steps, 0 = off (default: checkpoint."
+                                          "memory_interval_steps of the config, else 0); "
+                                          "badput is shown at K too")),
+        ("--memory-blocking-seconds", "D_M", ("time one memory save blocks training (δ_m; "
+                                              "default δ: both are one copy of the state into "
+                                              "host memory)")),
+        ("--memory-send-seconds", "S", ("time to send a memory copy to the partner rank: the "
+                                        "memory commit latency is L_m = δ_m + S (default 0)")),
+        ("--in-place-restart-seconds", "R_IN", ("from a crash until training runs again after "
+                                                "torchrun restarted the workers in place "
+                                                "(default: measured by --metrics)")),
+    ):
+        parser.add_argument(flag, metavar=metavar, default=None, help=text,
+                            type=int if flag in ("--nodes", "--memory-interval-steps") else float)
     parser.add_argument("--metrics", metavar="FILE",
                         help="metrics.jsonl (or its folder) from training: T, δ and L are its "
                              "medians")
@@ -121,13 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_config(path: str | None, overrides: list[str]) -> Config | None:
-    """The checked config; None when none was named and there is no configs/train.yaml here."""
-    if path is None and not overrides and not DEFAULT_CONFIG.is_file():
-        return None
-    return load_config(path, overrides)  # ConfigError names the key at fault
-
-
 @refusals
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
@@ -137,9 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
         parser.error(f"argument --plot: the file name must end in .png or .svg (got {args.plot})")
 
+    # No config when none was named and there is no configs/train.yaml here.
     try:
-        config = read_config(args.config, args.overrides)
-    except ConfigError as exc:
+        config = (None if args.config is None and not args.overrides
+                  and not DEFAULT_CONFIG.is_file() else load_config(args.config, args.overrides))
+    except ConfigError as exc:  # it names the key at fault
         raise Refused(exc) from exc
     config_path = args.config or str(DEFAULT_CONFIG)
 
@@ -174,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         configured, planned = config.checkpoint.interval_steps, configured_inputs(config)
         if memory_steps is None:
             memory_steps = config.checkpoint.memory_interval_steps
-            origins["memory_interval_steps"] = (
-                f"checkpoint.memory_interval_steps in {config_path}")
+            origins["memory_interval_steps"] = f"checkpoint.memory_interval_steps in {config_path}"
     try:
         plan = make_plan(inputs, in_place)
         two_tier = make_two_tier(plan, memory_steps or 0, configured)
@@ -186,8 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                      + ("" if origins[exc.field] == flag else f" (from {origins[exc.field]})"))
 
     if args.json:
-        payload = to_json(plan)
-        payload["two_tier"] = two_tier_json(two_tier)
+        payload = {**to_json(plan), "two_tier": two_tier_json(two_tier)}
         if measured is not None:
             payload["measured"] = dataclasses.asdict(measured)
             payload["planned"] = None if planned is None else dataclasses.asdict(planned)
@@ -197,12 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                 else 100 * badput(configured * inputs.step_seconds, inputs))
         print(json.dumps(payload, ensure_ascii=False))
     else:
-        print(format_plan(plan))
-        print()
-        print(format_two_tier(two_tier))
+        print(f"{format_plan(plan)}\n\n{format_two_tier(two_tier)}")
         if measured is not None:
-            print()
-            print(render_measured_section(plan, measured, planned, configured), end="")
+            print("\n" + render_measured_section(plan, measured, planned, configured), end="")
 
     if args.plot:
         try:
@@ -231,14 +218,13 @@ def _from_history(args, config: Config | None, inputs: Inputs, in_place: float |
     if config is None:
         parser.error("--from-history needs a config: the history is in its checkpoint.dir")
     try:
-        ledger, _, _ = run_ledger(config)
-        found = ledger_measured(ledger)
+        found = ledger_measured(run_ledger(config)[0])
         from_history = inputs_from(inputs, found)
     except (LookupError, ValueError) as exc:
         parser.error(f"argument --from-history: {exc}")
-    kept = {field: getattr(inputs, field) for field in ("mtbi_hours", "crash_share",
-            "node_loss_share", "restart_seconds") if getattr(args, field) is not None}
-    for field in ("mtbi_hours", "crash_share", "node_loss_share", "restart_seconds"):
+    fields = ("mtbi_hours", "crash_share", "node_loss_share", "restart_seconds")
+    kept = {field: getattr(inputs, field) for field in fields if getattr(args, field) is not None}
+    for field in fields:
         if field not in kept and getattr(from_history, field) != getattr(inputs, field):
             origins[field] = "--from-history"
     if in_place is None and found.in_place_restart_s is not None:
@@ -278,8 +264,7 @@ def resolve_inputs(args, config: Config | None, config_path: str, measured, pars
     """Each input from its flag, else from the measurements, else from the config."""
     values, origins = {}, {}
     for field, (flag, key) in FLAGS.items():
-        flag_value = getattr(args, field)  # argparse dest == Inputs field name
-        if flag_value is not None:
+        if (flag_value := getattr(args, field)) is not None:  # argparse dest == Inputs field
             values[field], origins[field] = flag_value, flag
         elif measured is not None and field in MEASURED_FIELDS:
             values[field], origins[field] = getattr(measured, field), f"--metrics {measured.path}"

@@ -73,22 +73,19 @@ def pieces(path: Path, text_key: str) -> Iterator[tuple[str, bool, int]]:
     """(text, ends a document, input bytes consumed) of one file, in order."""
     if path.suffix == ".jsonl":
         for number, line, size in _lines(path):
-            if not line.strip():
+            text = ""
+            if line.strip():
+                try:
+                    text = json.loads(line)[text_key]
+                except ValueError as exc:
+                    raise PrepareError(f"{path}:{number}: not a JSON line ({exc})") from None
+                except (KeyError, TypeError):
+                    raise PrepareError(f"{path}:{number}: no {text_key!r} key (choose the key "
+                                       "with --text-key)") from None
+                if not isinstance(text, str):
+                    raise PrepareError(f"{path}:{number}: {text_key!r} is not a string")
+            if not text:   # a blank line or an empty document: its bytes only
                 yield "", False, size
-                continue
-            try:
-                record = json.loads(line)
-                text = record[text_key]
-            except ValueError as exc:
-                raise PrepareError(f"{path}:{number}: not a JSON line ({exc})") from None
-            except (KeyError, TypeError):
-                raise PrepareError(f"{path}:{number}: no {text_key!r} key (choose the key "
-                                   "with --text-key)") from None
-            if not isinstance(text, str):
-                raise PrepareError(f"{path}:{number}: {text_key!r} is not a string")
-            if not text:
-                yield "", False, size
-                continue
             for start in range(0, len(text), PIECE_CHARS):
                 last = start + PIECE_CHARS >= len(text)
                 yield text[start:start + PIECE_CHARS], last, size if last else 0
@@ -186,10 +183,9 @@ class Progress:
         if not (due or final) or (final and not self.tty and self.shown >= 1.0):
             return
         self.shown = now if self.tty else fraction
-        elapsed = max(now - self.began, 1e-9)
-        bar = "#" * int(fraction * 30)
-        line = (f"[{bar:<30}] {fraction * 100:3.0f}% {self.done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB "
-                f"{self.done / 1e6 / elapsed:,.1f} MB/s {self.tokens:,} tokens")
+        line = (f"[{'#' * int(fraction * 30):<30}] {fraction * 100:3.0f}% "
+                f"{self.done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB "
+                f"{self.done / 1e6 / max(now - self.began, 1e-9):,.1f} MB/s {self.tokens:,} tokens")
         print(("\r" if self.tty else "") + line, end="\n" if final or not self.tty else "",
               file=sys.stderr, flush=True)
 
@@ -199,13 +195,10 @@ def prepare(paths: list[Path], tokenizer: Tokenizer, out: Path, *, dtype: str,
     """Tokenize ``paths`` into ``out`` (which must exist and be empty); returns the index."""
     writer = ShardWriter(out, dtype, shard_tokens)
     progress = Progress(sum(p.stat().st_size for p in paths))
-    documents = 0
 
     def write(encoded: list[np.ndarray], chunk: list[tuple[str, bool]], consumed: int) -> None:
-        nonlocal documents
         for ids, (_, ends) in zip(encoded, chunk):
             writer.write(ids, ends)
-            documents += ends
         progress.update(consumed, sum(len(ids) for ids in encoded))
 
     try:
@@ -220,8 +213,7 @@ def prepare(paths: list[Path], tokenizer: Tokenizer, out: Path, *, dtype: str,
                                       (tokenizer.spec, _separator_name(tokenizer))) as pool:
                 pending: deque = deque()
                 for chunk, consumed in chunks(paths, text_key):
-                    pending.append((pool.apply_async(_encode_in_worker, (chunk,)), chunk,
-                                    consumed))
+                    pending.append((pool.apply_async(_encode_in_worker, (chunk,)), chunk, consumed))
                     if len(pending) >= 2 * workers:
                         result, done, size = pending.popleft()
                         write(result.get(), done, size)
@@ -231,10 +223,10 @@ def prepare(paths: list[Path], tokenizer: Tokenizer, out: Path, *, dtype: str,
     finally:
         writer.close()
     progress.update(0, 0, final=True)
-    total = sum(f["tokens"] for f in writer.files)
     index = {"format": FORMAT, "version": VERSION, "dtype": dtype,
              "vocab_size": tokenizer.vocab_size, "separator": tokenizer.separator,
-             "tokenizer": tokenizer.spec, "tokens": total, "documents": documents,
+             "tokenizer": tokenizer.spec, "tokens": sum(f["tokens"] for f in writer.files),
+             "documents": sum(f["documents"] for f in writer.files),
              "inputs": [str(p.resolve()) for p in paths], "files": writer.files}
     tmp = out / (INDEX_FILE + ".tmp")
     tmp.write_text(json.dumps(index, indent=1) + "\n", encoding="utf-8")

@@ -83,9 +83,8 @@ def _from_tokenizers(path: Path, separator: str | None) -> Tokenizer:
         raise PrepareError(f"--tokenizer: {path} not found (a tokenizer directory needs a "
                            "tokenizer.json, or transformers installed)")
     backend = RustTokenizer.from_file(str(path))
-    names = [separator] if separator is not None else list(END_OF_TEXT)
-    ids = [backend.token_to_id(name) for name in names]
-    found = next((i for i in ids if i is not None), None)
+    names = [separator] if separator is not None else END_OF_TEXT
+    found = next((i for i in map(backend.token_to_id, names) if i is not None), None)
     if found is None:
         raise PrepareError(_no_separator(path, separator))
     vocab = max(backend.get_vocab_size(with_added_tokens=True), found + 1)
@@ -96,14 +95,10 @@ def _from_transformers(spec: str, separator: str | None) -> Tokenizer:
     from transformers import AutoTokenizer
 
     backend = AutoTokenizer.from_pretrained(spec, local_files_only=True)
-    if separator is not None:
-        found = backend.convert_tokens_to_ids(separator)
-        if found is None or found == backend.unk_token_id:
-            raise PrepareError(_no_separator(spec, separator))
-    else:
-        found = backend.eos_token_id
-        if found is None:
-            raise PrepareError(_no_separator(spec, None))
+    found = (backend.eos_token_id if separator is None
+             else backend.convert_tokens_to_ids(separator))
+    if found is None or (separator is not None and found == backend.unk_token_id):
+        raise PrepareError(_no_separator(spec, separator))
     vocab = max(len(backend), found + 1)
     name = str(Path(spec).resolve()) if Path(spec).exists() else spec
     return Tokenizer(name, vocab, int(found), backend, "transformers")

@@ -99,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
         print(row.format(verdict.step, verdict.files, f"{verdict.bytes:,}", verdict.status,
                          verdict.reason).rstrip(), flush=True)
     seconds = time.perf_counter() - began
-    failed = sum(v.failed for v in verdicts)
     counts = {status: sum(v.status == status for v in verdicts)
               for status in ("ok", "unverified", "uncommitted", "FAILED")}
     rate = f", {checked / seconds / 1e6:,.0f} MB/s" if checked and seconds > 0 else ""
@@ -113,4 +112,4 @@ def main(argv: list[str] | None = None) -> int:
         kept = ", ".join(f"step {c.step} ({ckpt.best_metric} {rule.score(c):.6g})" for c in best)
         print(f"kept as best (checkpoint.keep_best={ckpt.keep_best}, {ckpt.best_metric}, "
               f"{ckpt.best_mode}): {kept or 'none evaluated at its own step yet'}")
-    return exit_codes.FAILED if failed else exit_codes.OK
+    return exit_codes.FAILED if any(v.failed for v in verdicts) else exit_codes.OK

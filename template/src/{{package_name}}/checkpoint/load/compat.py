@@ -31,12 +31,11 @@ def differences(saved: dict[str, tuple[int, ...]], current: dict[str, tuple[int,
                 current_config: dict[str, Any] | None = None) -> list[str]:
     """What differs, in a few short lines; empty when the checkpoint fits."""
     lines = []
-    missing = sorted(set(current) - set(saved))
-    unexpected = sorted(set(saved) - set(current))
     reshaped = [f"{k} {list(saved[k])} saved, {list(current[k])} now"
                 for k in sorted(set(saved) & set(current)) if saved[k] != current[k]]
-    for label, items in (("not in the checkpoint", missing),
-                         ("only in the checkpoint", unexpected), ("other shape", reshaped)):
+    for label, items in (("not in the checkpoint", sorted(set(current) - set(saved))),
+                         ("only in the checkpoint", sorted(set(saved) - set(current))),
+                         ("other shape", reshaped)):
         if items:
             more = f" and {len(items) - SHOWN} more" if len(items) > SHOWN else ""
             lines.append(f"{label}: {', '.join(items[:SHOWN])}{more}")

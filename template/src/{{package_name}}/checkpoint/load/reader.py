@@ -20,10 +20,10 @@ from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from ..store.integrity import ChecksumMismatch, Expected
+from ..store.integrity import ChecksumMismatch, Expected, leaf_name
 from ..store.storage import LocalStorage, Storage
 from .safe_load import SafeFileSystemReader, load_metadata, safe_fsspec_reader_class
 
@@ -33,30 +33,25 @@ GAP_READ_BYTES = 8 << 20    # unneeded bytes inside a checked block are read in 
 
 
 class OneReadMixin:
-    """A DCP reader's ``read_metadata`` and ``read_data``, reading each file once; ``expected``:
-    commit.json's checksums (None: contents unchecked)."""
+    """Over a safe reader: ``.metadata`` and ``read_data``, reading each file once;
+    ``expected``: commit.json's checksums (None: contents unchecked)."""
 
     expected: Expected | None = None
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def _parse_metadata(self, path: Any) -> Metadata:
         """``.metadata`` with the restricted unpickler, its checksum checked first; parsed
-        once per reader (the load's own call reuses the caller's)."""
-        cached = getattr(self, "_metadata", None)
-        if cached is None:
-            path = self._get_metadata_path(kwargs.get("rank"))
+        once per reader (the load's own ``read_metadata`` reuses the caller's)."""
+        if getattr(self, "_metadata", None) is None:
             with self.fs.create_stream(path, "rb") as stream:
                 data = stream.read()
-            check = self.expected.stream(_name(path), 0) if self.expected else None
+            check = self.expected.stream(leaf_name(path), 0) if self.expected else None
             if check is not None:
                 if len(data) != check.size:
-                    raise ChecksumMismatch(f"{_name(path)} is {len(data):,} bytes, commit.json "
-                                           f"recorded {check.size:,}")
+                    raise ChecksumMismatch(f"{leaf_name(path)} is {len(data):,} bytes, "
+                                           f"commit.json recorded {check.size:,}")
                 check.update(data)
-            cached = self._metadata = load_metadata(data, str(path))
-        if getattr(cached, "storage_meta", None) is None:
-            cached.storage_meta = StorageMeta()
-        cached.storage_meta.load_id = self.load_id
-        return cached
+            self._metadata = load_metadata(data, str(path))
+        return self._metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         per_file: dict[str, list[ReadItem]] = {}
@@ -65,8 +60,7 @@ class OneReadMixin:
             if info.transform_descriptors:   # DCP extensions: DCP's own reading
                 return super().read_data(plan, planner)
             per_file.setdefault(info.relative_path, []).append(item)
-        files = sorted(per_file)
-        if files:
+        if files := sorted(per_file):
             with ThreadPoolExecutor(min(READ_THREADS, len(files)),
                                     thread_name_prefix="checkpoint-read") as pool:
                 pipes, layouts = [_Pipe() for _ in files], _Layouts()
@@ -103,6 +97,7 @@ class OneReadMixin:
             check = self.expected.stream(name, begin)
             if check is not None:
                 end = min(check.size, -(-end // block) * block)
+        error: BaseException | None = None
         try:
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
                 stream.seek(begin)
@@ -118,18 +113,16 @@ class OneReadMixin:
                         return   # the load gave up
                 _skip(stream, position, end, check)
         except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
-            pipe.fail(exc)
+            error = exc
         finally:
-            pipe.close()
+            pipe.close(error)
 
 
 def open_reader(storage: Storage, name: str, expected: Expected | None = None) -> FileSystemReader:
     """The reader for checkpoint ``name``: never DCP's plain one (it unpickles .metadata
     unrestricted); each file read once, in sequence, checking ``expected`` as it reads."""
-    if isinstance(storage, LocalStorage):
-        reader = OneReadFileSystemReader(storage.path(name))
-    else:
-        reader = _fsspec_class()(storage.path(name))   # over DCP's fsspec reader
+    kind = OneReadFileSystemReader if isinstance(storage, LocalStorage) else _fsspec_class()
+    reader = kind(storage.path(name))
     reader.expected = expected
     return reader
 
@@ -139,7 +132,7 @@ class OneReadFileSystemReader(OneReadMixin, SafeFileSystemReader):
 
 
 @cache
-def _fsspec_class() -> type:   # fsspec is optional: built on first use
+def _fsspec_class() -> type:   # over DCP's fsspec reader; fsspec is optional: built on first use
     return type("OneReadFsspecReader", (OneReadMixin, safe_fsspec_reader_class()), {})
 
 
@@ -179,8 +172,7 @@ class _Layouts:
         for prefix, layout in self._known.get(len(data), ()):
             if data.startswith(prefix):
                 return _view(data, *layout)
-        layout = self._parse(data)
-        if layout is None:
+        if (layout := self._parse(data)) is None:
             return cast(torch.Tensor, torch.load(io.BytesIO(data), map_location="cpu",
                                                  weights_only=True))
         self._known.setdefault(len(data), []).append((bytes(data[:layout[0]]), layout))
@@ -250,16 +242,11 @@ def _read_exactly(stream: Any, length: int, name: str, offset: int) -> bytearray
     data = bytearray(length)
     view, got = memoryview(data), 0
     while got < length:   # short reads: a network file system, an object store
-        more = stream.readinto(view[got:])
-        if not more:
+        if not (more := stream.readinto(view[got:])):
             raise OSError(f"{name or 'a checkpoint file'} ends at byte {offset + got:,}, "
                           f"before the {length:,} bytes from {offset:,} it should hold")
         got += more
     return data
-
-
-def _name(path: Any) -> str:
-    return str(path).replace("\\", "/").rsplit("/", 1)[-1]
 
 
 class _Pipe:
@@ -284,14 +271,10 @@ class _Pipe:
             self._ready.notify_all()
             return True
 
-    def fail(self, exc: BaseException) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """The reading thread is done; its ``error`` goes to the loading thread first."""
         with self._ready:
-            self._error = exc
-            self._ready.notify_all()
-
-    def close(self) -> None:
-        with self._ready:
-            self._closed = True
+            self._closed, self._error = True, error
             self._ready.notify_all()
 
     def cancel(self) -> None:
@@ -303,12 +286,9 @@ class _Pipe:
     def mismatch_after(self) -> ChecksumMismatch | None:
         """Read the rest of the file (bounded by its size) for a checksum that fails."""
         try:
-            for _ in self:
-                pass
-        except ChecksumMismatch as exc:
-            return exc
-        except Exception:  # noqa: BLE001 - the caller's own error is the one to raise
-            return None
+            deque(self, maxlen=0)   # every record left, each block checked as it completes
+        except Exception as exc:  # noqa: BLE001 - other errors: the caller's own is raised
+            return exc if isinstance(exc, ChecksumMismatch) else None
         return None
 
     def __iter__(self) -> Iterator[tuple[list[ReadItem], bytearray]]:

@@ -105,8 +105,7 @@ def _next_candidate(storage: Storage, verify: str, candidates, shapes: dict, cfg
                     ) -> tuple[Committed | None, list[str], tuple[str, bool] | None]:
     """Rank 0: the next checkpoint to try, what differs from this model, and why it is
     unreadable (the sentence, whether it is damage) or None."""
-    checkpoint = next(candidates, None)
-    if checkpoint is None:
+    if (checkpoint := next(candidates, None)) is None:
         return None, [], None
     checksums = None if verify == "none" else expected(checkpoint.record)
     try:
@@ -154,11 +153,10 @@ def load_checkpoint(storage: Storage, state: dict[str, Any], checkpoint: Committ
             reader.read_metadata()
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointException as exc:
-        damaged = failure_of(exc, ChecksumMismatch)
-        if damaged is not None:   # any rank's: the message names the file and bytes
+        # Any rank's mismatch: the message names the file and bytes.
+        if (damaged := failure_of(exc, ChecksumMismatch)) is not None:
             raise ChecksumMismatch(str(damaged)) from None
-        unsafe = failure_of(exc, UnsafeCheckpointError)
-        if unsafe is None:
+        if (unsafe := failure_of(exc, UnsafeCheckpointError)) is None:
             raise
         raise UnsafeCheckpointError(f"checkpoint {checkpoint.path}: {unsafe}") from None
 

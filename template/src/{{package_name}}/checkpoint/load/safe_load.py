@@ -20,6 +20,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from ..store.errors import save_failures
 from ..store.metadata import TRUST_NOTE, UnsafeCheckpointError, load_metadata
 
 __all__ = ["TRUST_NOTE", "SafeFileSystemReader", "SafeLoadPlanner", "UnsafeCheckpointError",
@@ -29,13 +30,15 @@ class _SafeMetadataMixin:
     """``read_metadata`` of FileSystemReader, with the restricted unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = load_metadata(stream, str(path))
+        metadata = self._parse_metadata(self._get_metadata_path(kwargs.get("rank")))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _parse_metadata(self, path: Any) -> Metadata:
+        with self.fs.create_stream(path, "rb") as stream:
+            return load_metadata(stream, str(path))
 
 
 class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
@@ -76,13 +79,7 @@ def unsafe_failure(exc: BaseException) -> UnsafeCheckpointError | None:
 
 
 def failure_of(exc: BaseException, kind: type[BaseException]) -> Any:
-    """The first ``kind`` error among a CheckpointException's ranks' failures (or ``exc``
-    itself when it is one); None if there is none."""
+    """The first ``kind`` error in a CheckpointException's ranks' failures (or ``exc``), or None."""
     if isinstance(exc, kind):
         return exc
-    failures = getattr(exc, "failures", None) or {}
-    for _, failure in sorted(failures.items()):
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, kind):
-            return inner
-    return None
+    return next((f for f in save_failures(exc) if isinstance(f, kind)), None)

@@ -1,2 +1,1 @@
-"""The save pipeline: DCP's async save, the staging copy, the background checkpoint
-process, DCP's save planner."""
+"""The save pipeline: DCP's async save, the staging copy, the background process, the planner."""

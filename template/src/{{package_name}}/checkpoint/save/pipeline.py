@@ -52,14 +52,12 @@ class SavePipeline:
         self.is_coordinator = is_coordinator
         # One planner for the run: saves after the first reuse the cached global plan.
         self._planner = TrainingStatePlanner(enable_plan_caching=True)
-        self._stager = None
-        if self.mode != AsyncMode.sync:
-            on_gpu = device.type == "cuda"
-            # Pinned memory and non-blocking copies need an accelerator; shared memory lets
-            # the background process read the staged tensors without a copy.
-            self._stager = ReusingStager(StagingOptions(
-                use_pinned_memory=on_gpu, use_shared_memory=self.mode == AsyncMode.process,
-                use_async_staging=True, use_non_blocking_copy=on_gpu), device=device)
+        on_gpu = device.type == "cuda"
+        # Pinned memory and non-blocking copies need an accelerator; shared memory lets
+        # the background process read the staged tensors without a copy.
+        self._stager = None if self.mode == AsyncMode.sync else ReusingStager(StagingOptions(
+            use_pinned_memory=on_gpu, use_shared_memory=self.mode == AsyncMode.process,
+            use_async_staging=True, use_non_blocking_copy=on_gpu), device=device)
         # A thread-mode save's collectives, on the default group, could pair up wrongly
         # across ranks with the loop's own: they get a gloo group of their own.
         self._group = (dist.new_group(backend="gloo")
@@ -71,13 +69,12 @@ class SavePipeline:
         # Held by a commit in DCP's upload thread and by ``abandon``: no commit of a save
         # given up starts; one under way finishes first.
         self._commit_lock = threading.Lock()
-        self._abandoned = False
+        self.abandoned = False   # a background save was given up: it may still be running
         self.last_committed: SaveResult | None = None
         self.failed_saves = 0
         self.last_error: str | None = None
         self.broken_save = False   # a failure since the policy last looked, not an outage
 
-    # ---------------------------------------------------------------- startup --
     def warm_up(self, state: dict[str, Any] | None, timeout_s: float,
                 process_log: str | None = None) -> str | None:
         """Start the checkpoint process (``wait_ready``: bounded by ``timeout_s`` from now)
@@ -94,7 +91,7 @@ class SavePipeline:
                 self._ready_by = time.perf_counter() + timeout_s
                 self._start_timeout_s = timeout_s
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported, then sync
-            self._abandoned = True  # a half-started process may still hold a thread
+            self.abandoned = True  # a half-started process may still hold a thread
             return self.record_failure(None, exc, "the background checkpoint process did not start")
         return None
 
@@ -112,14 +109,14 @@ class SavePipeline:
                 f"{self._start_timeout_s:g} s (checkpoint.start_timeout_s)")
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported, then sync
             failure = exc
-        self._abandoned = True   # a half-started process may still hold a thread
+        self.abandoned = True   # a half-started process may still hold a thread
         return self.record_failure(None, failure, "the background checkpoint process did not start")
 
     def give_up_start(self) -> None:
         """No save needed the process: a start under way is left to the exit (it may hang)."""
         starting, self._starting = self._starting, None
         if starting is not None and not starting.done():
-            self._abandoned = True
+            self.abandoned = True
 
     def prestage(self, state: dict[str, Any]) -> None:
         """Allocate and fill the staging buffers in the background (``warm_up`` could not)."""
@@ -133,11 +130,6 @@ class SavePipeline:
         staged = self._stager.stage(plain)
         return staged if isinstance(staged, Future) else None
 
-    @property
-    def abandoned(self) -> bool:
-        """Whether a background save was given up while it may still be running."""
-        return self._abandoned
-
     def prepare(self) -> None:
         """Create the root and clean what an interrupted earlier run left behind."""
         if self.is_coordinator:
@@ -148,7 +140,6 @@ class SavePipeline:
     def newest(self) -> layout.Committed | None:
         return layout.newest_complete_checkpoint(self.storage, verify=self.verify)
 
-    # ------------------------------------------------------------------- save --
     @property
     def in_flight(self) -> bool:
         return self._inflight is not None
@@ -190,10 +181,10 @@ class SavePipeline:
         writer = self.storage.writer(layout.staging_name(step, self.storage))
         if blocking or self.mode == AsyncMode.sync:
             metadata = dcp.save(state, storage_writer=writer, planner=self._planner)
-            written = time.perf_counter()
-            self._inflight = InFlight(step, reason, record, started, written - started,
-                                       _done_future(), None, handed_off, written,
-                                       metadata=metadata)
+            written, upload = time.perf_counter(), Future()
+            upload.set_result(None)   # written already
+            self._inflight = InFlight(step, reason, record, started, written - started, upload,
+                                       None, handed_off, written, metadata=metadata)
             return self._finish(mode=AsyncMode.sync)
         kind = (AsyncCheckpointerType.PROCESS if self.mode == AsyncMode.process
                 else AsyncCheckpointerType.THREAD)
@@ -205,10 +196,8 @@ class SavePipeline:
         response = dcp.async_save(state, storage_writer=writer, planner=self._planner,
                                   async_checkpointer_type=kind, async_stager=self._stager,
                                   process_group=self._group)
-        if isinstance(response, AsyncSaveResponse):
-            upload, staging = response.upload_completion, response.staging_completion
-        else:
-            upload, staging = response, None
+        upload, staging = ((response.upload_completion, response.staging_completion)
+                           if isinstance(response, AsyncSaveResponse) else (response, None))
         inflight = InFlight(step, reason, record, started, time.perf_counter() - started,
                              upload, staging, handed_off)
         if self.is_coordinator:
@@ -270,7 +259,7 @@ class SavePipeline:
         if committed is not None and committed.done() and committed.exception() is None:
             self.last_committed = committed.result()
             return None
-        self._abandoned = True
+        self.abandoned = True
         self.record_failure(inflight.step, None,
                             "given up unfinished" + (f": {why}" if why else ""))
         return inflight.step
@@ -330,13 +319,7 @@ class SavePipeline:
         """Finish the in-flight save and release the staging buffers."""
         result = self.wait()
         # An abandoned writer may still read the buffers: left to the process exit.
-        if self._stager is not None and not self._abandoned:
+        if self._stager is not None and not self.abandoned:
             self._stager.close()
         self._stager = None
         return result
-
-
-def _done_future() -> Future:
-    future: Future = Future()
-    future.set_result(None)
-    return future

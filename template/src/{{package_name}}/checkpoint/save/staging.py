@@ -11,7 +11,7 @@ staged once the previous one is written. Torch releases: docs/EXTENDING.md.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -141,11 +141,8 @@ def _collect(source: Any, staged: Any, slots: list[_Slot]) -> bool:
 def _shared_marked(slots: list[_Slot]) -> list[_Slot]:
     """Keep the source pointer only where slots share a buffer's storage (tied weights):
     those accept only the source they had; others any source of their signature."""
-    owners: dict[int, int] = {}
-    for slot in slots:
-        if slot.buffer.numel():
-            key = slot.buffer.untyped_storage().data_ptr()
-            owners[key] = owners.get(key, 0) + 1
+    owners = Counter(slot.buffer.untyped_storage().data_ptr()
+                     for slot in slots if slot.buffer.numel())
     return [slot._replace(source_ptr=slot.source_ptr if slot.buffer.numel() and owners[
         slot.buffer.untyped_storage().data_ptr()] > 1 else None) for slot in slots]
 
@@ -171,8 +168,7 @@ class ReusingStager(DefaultStager):
     def close(self) -> None:
         """Close at shutdown, the state-dict stager too (DCP's leaves it open before 2.11)."""
         super().close()
-        inner = getattr(self, "_state_dict_stager", None)
-        if isinstance(inner, _ReusingStateDictStager):
+        if isinstance(inner := getattr(self, "_state_dict_stager", None), _ReusingStateDictStager):
             inner.shutting_down = True
             inner.close()
 

@@ -1,2 +1,1 @@
-"""Where checkpoints live: the storage, the layout (how a checkpoint is named, committed
-and retired), checksums, the lease, outages."""
+"""Where checkpoints live: storage, layout (naming, commit, retiring), checksums, lease, outages."""

@@ -9,7 +9,6 @@ reader reads them). docs/PERFORMANCE.md, "Saves: checksums as the bytes are writ
 from __future__ import annotations
 
 import json
-import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,11 +23,6 @@ from torch.distributed.checkpoint.storage import WriteResult
 from . import integrity
 
 _CARRIER = "__checksums_of_rank__"   # the fqn of the write result that carries them
-
-
-def _name(path: Any) -> str:
-    """A file's name in the checkpoint directory (DCP writes no subdirectories)."""
-    return os.fspath(path).replace("\\", "/").rsplit("/", 1)[-1]
 
 
 class _CrcStream:
@@ -96,14 +90,14 @@ class ChecksummingFileSystem:
             yield stream
             lock, entries = self._written()   # only a file written to the end counts
             with lock:
-                entries[_name(path)] = stream.crcs.entry()
+                entries[integrity.leaf_name(path)] = stream.crcs.entry()
 
     def rename(self, path: Any, new_path: Any) -> None:
         super().rename(path, new_path)
         lock, entries = self._written()
         with lock:
-            if _name(path) in entries:
-                entries[_name(new_path)] = entries.pop(_name(path))
+            if integrity.leaf_name(path) in entries:
+                entries[integrity.leaf_name(new_path)] = entries.pop(integrity.leaf_name(path))
 
     def take(self) -> dict[str, dict[str, Any]]:
         lock, entries = self._written()
@@ -157,14 +151,11 @@ class ChecksummingWriterMixin:
         return written.then(with_checksums)
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
-        entries: dict[str, dict[str, Any]] = {}
-        plain = []
-        for rank_results in results:
-            plain.append([r for r in rank_results if not isinstance(r.storage_data, _Carried)])
-            for r in rank_results:
-                if isinstance(r.storage_data, _Carried):
-                    entries.update(r.storage_data.entries)
-        super().finish(metadata, plain)
+        carried = [r.storage_data for rank in results for r in rank
+                   if isinstance(r.storage_data, _Carried)]
+        super().finish(metadata, [[r for r in rank if not isinstance(r.storage_data, _Carried)]
+                                  for rank in results])
+        entries = {name: entry for c in carried for name, entry in c.entries.items()}
         entries.update(self.fs.take())   # .metadata, written and renamed just now
         data = json.dumps({"algorithm": integrity.ALGORITHM,
                            "block_bytes": self.fs.block_bytes,

@@ -30,21 +30,18 @@ UNAVAILABLE_CODES = ("ServiceUnavailable", "SlowDown", "InternalError", "Request
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) says the storage could not be reached, rather
     than refused (credentials, permissions, a missing bucket, a full disk)."""
-    for cause in causes(exc):
-        if (isinstance(cause, (StorageUnavailable, ConnectionError, TimeoutError))
-                or type(cause).__name__ in UNREACHABLE):
-            return True
-        if type(cause).__name__ == "ClientError" and any(
-                code in str(cause) for code in UNAVAILABLE_CODES):
-            return True
-    return False
+    return any(isinstance(cause, (StorageUnavailable, ConnectionError, TimeoutError))
+               or type(cause).__name__ in UNREACHABLE
+               or (type(cause).__name__ == "ClientError"
+                   and any(code in str(cause) for code in UNAVAILABLE_CODES))
+               for cause in causes(exc))
 
 
 def save_failures(exc: BaseException) -> list[BaseException]:
-    """Each rank's failure in DCP's CheckpointException (``failures``), or ``[exc]``."""
+    """Each rank's failure in DCP's CheckpointException (``failures``), by rank, or ``[exc]``."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
-        return [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        return [f[0] if isinstance(f, tuple) else f for _, f in sorted(failures.items())]
     return [exc]
 
 
@@ -52,11 +49,9 @@ def describe_save_error(exc: BaseException, path: str) -> str:
     """One sentence for a failed save: path, rank, and why: the errno when known (a failure
     from another process has lost it: then a local path's free space is looked at)."""
     failures = getattr(exc, "failures", None)
-    inner, where = exc, ""
+    inner, where = save_failures(exc)[0], ""
     if isinstance(failures, dict) and failures:
         ranks = sorted(failures)
-        first = failures[ranks[0]]
-        inner = first[0] if isinstance(first, tuple) else first
         where = f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
     for cause in causes(inner):
         if isinstance(cause, OSError) and cause.errno:

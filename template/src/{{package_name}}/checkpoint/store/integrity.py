@@ -34,17 +34,9 @@ MODES = ("all", "sample", "none")
 RECORD_FILE = ".checksums.json"   # beside a save's shards: each file's checksums, as written
 
 
-def _mode(mode: Any) -> str:
-    value = getattr(mode, "value", mode)
-    if value not in MODES:
-        raise ValueError(f"verification mode must be one of {', '.join(MODES)}, got {mode!r}")
-    return value
-
-
-def record_fields(block_bytes: int = BLOCK_BYTES) -> dict[str, Any]:
-    """The commit.json fields that say how the checksums were computed."""
-    checksum = {"algorithm": ALGORITHM, "block_bytes": block_bytes}
-    return {"checksum": checksum}
+def leaf_name(path: Any) -> str:
+    """A file's name in the checkpoint directory (DCP writes no subdirectories)."""
+    return str(path).replace("\\", "/").rsplit("/", 1)[-1]
 
 
 class BlockCrcs:
@@ -87,8 +79,7 @@ def recorded_entries(storage: Storage, work: str, files: dict[str, int]) -> tupl
                            "checksums)") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise RuntimeError(f"{where}: {RECORD_FILE} is unreadable ({exc})") from None
-    missing = sorted(entries.keys() - files.keys())
-    if missing:
+    if missing := sorted(entries.keys() - files.keys()):
         raise RuntimeError(f"{where}: {', '.join(missing)} not visible to rank 0; "
                            "checkpoint.dir must be storage that all ranks share")
     listed = {}
@@ -110,13 +101,9 @@ def file_sizes(record: dict[str, Any]) -> dict[str, int] | None:
     files = record.get("files")
     if not isinstance(files, dict):
         return None
-    sizes = {}
-    for name, entry in files.items():
-        size = entry.get("size") if isinstance(entry, dict) else entry
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            return None
-        sizes[name] = size
-    return sizes
+    sizes = {name: e.get("size") if isinstance(e, dict) else e for name, e in files.items()}
+    valid = all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sizes.values())
+    return sizes if valid else None
 
 
 class ChecksumMismatch(OSError):
@@ -140,10 +127,8 @@ class Expected:
 
     def stream(self, file_name: str, start: int) -> StreamCheck | None:
         """A check of ``file_name`` read from ``start`` (a block boundary); None if unlisted."""
-        if file_name not in self.crcs:
-            return None
-        return StreamCheck(file_name, self.crcs[file_name], self.block_bytes, start,
-                           self.sizes[file_name])
+        return (StreamCheck(file_name, self.crcs[file_name], self.block_bytes, start,
+                            self.sizes[file_name]) if file_name in self.crcs else None)
 
 
 def expected(record: dict[str, Any]) -> Expected | None:
@@ -208,14 +193,13 @@ def check_contents(storage: Storage, name: str, record: dict[str, Any], mode: An
                    rng: random.Random | None = None) -> Check:
     """Compare checkpoint ``name``'s files with its ``record``'s checksums (sizes are checked
     already, by discovery); the Check's ``problem`` names the first that differs, and where."""
-    mode = _mode(mode)
+    value = getattr(mode, "value", mode)
+    if value not in MODES:
+        raise ValueError(f"verification mode must be one of {', '.join(MODES)}, got {mode!r}")
     sizes = file_sizes(record) or {}
-    check = Check(files=len(sizes), bytes=sum(sizes.values()))
     scheme = expected(record)
-    if scheme is None:
-        check.unverified = True
-        return check
-    if mode == "none":
+    check = Check(files=len(sizes), bytes=sum(sizes.values()), unverified=scheme is None)
+    if scheme is None or value == "none":
         return check
     block = scheme.block_bytes
     rng = rng or random.Random()
@@ -227,7 +211,7 @@ def check_contents(storage: Storage, name: str, record: dict[str, Any], mode: An
             check.problem = (f"{file_name}: commit.json lists {len(recorded)} checksum blocks "
                              f"for {size} bytes, expected {count}")
             return check
-        chosen = list(range(count)) if mode == "all" else sample_blocks(count, rng)
+        chosen = list(range(count)) if value == "all" else sample_blocks(count, rng)
         plan.append((file_name, size, recorded, chosen))
 
     def one_file(item: tuple[str, int, list[str], list[int]]) -> tuple[int, str]:
@@ -276,8 +260,7 @@ def _crc_of_block(handle: Any, block: int) -> tuple[int, int]:
     """CRC-32 of the next ``block`` bytes (fewer at the end) and how many were read."""
     crc, got = 0, 0
     while got < block:
-        chunk = handle.read(min(_READ_BYTES, block - got))
-        if not chunk:
+        if not (chunk := handle.read(min(_READ_BYTES, block - got))):
             break
         crc = zlib.crc32(chunk, crc)
         got += len(chunk)

@@ -89,16 +89,16 @@ def commit(storage: Storage, step: int, record: dict[str, Any],
         raise RuntimeError(f"cannot commit {work}: {METADATA_FILE} is missing")
     written = getattr(metadata, "storage_data", None)
     named = {i.relative_path for i in written.values()} if isinstance(written, dict) else set()
-    missing = sorted(named - files.keys())
-    if missing:
+    if missing := sorted(named - files.keys()):
         raise RuntimeError(
             f"cannot commit {storage.path(work)}: {', '.join(missing)} not visible to rank 0; "
             "checkpoint.dir must be storage that all ranks share")
     files.pop(COMMIT_FILE, None)
     entries, block = integrity.recorded_entries(storage, work, files)
     storage.remove_file(f"{work}/{integrity.RECORD_FILE}")   # all in commit.json now
+    checksum = {"algorithm": integrity.ALGORITHM, "block_bytes": block}
     record = {**record, "step": step, "format_version": FORMAT_VERSION, "files": entries,
-              **integrity.record_fields(block)}
+              "checksum": checksum}
     storage.write_text_durable(f"{work}/{COMMIT_FILE}", json.dumps(record, indent=1) + "\n")
     final = step_name(step)
     if work != final:
@@ -120,8 +120,7 @@ def _verify(storage: Storage, name: str, step: int) -> tuple[dict[str, Any] | No
         return None, f"{COMMIT_FILE} does not describe step {step}"
     if not isinstance(record.get("world_size"), int) or record["world_size"] < 1:
         return None, f"{COMMIT_FILE} has no valid world_size"
-    files = integrity.file_sizes(record)
-    if files is None:
+    if (files := integrity.file_sizes(record)) is None:
         return None, f"{COMMIT_FILE} has no valid list of files"
     if METADATA_FILE not in files:
         return None, f"{COMMIT_FILE} lists no {METADATA_FILE}"
@@ -138,11 +137,10 @@ def _complete_newest_first(storage: Storage, *, warn: bool):
     for name in reversed(checkpoint_names(storage)):
         step = int(_NAME.match(name).group(1))
         record, problem = _verify(storage, name, step)
-        if record is None:
-            if warn:
-                log.warning("skipping checkpoint %s: %s", storage.path(name), problem)
-            continue
-        yield Committed(step, name, storage.path(name), record)
+        if record is not None:
+            yield Committed(step, name, storage.path(name), record)
+        elif warn:
+            log.warning("skipping checkpoint %s: %s", storage.path(name), problem)
 
 
 def list_committed(storage: Storage, *, warn: bool = True) -> list[Committed]:
@@ -153,17 +151,12 @@ def list_committed(storage: Storage, *, warn: bool = True) -> list[Committed]:
 def newest_complete_checkpoint(storage: Storage, *, verify: str = "all") -> Committed | None:
     """The newest complete checkpoint whose files match their checksums (``verify``:
     checkpoint.verify); one that fails is skipped with a warning, older ones are not read."""
-    return next(verified_newest_first(storage, verify), None)
-
-
-def verified_newest_first(storage: Storage, verify: str = "all"):
-    """Complete checkpoints whose files match their checksums, newest first, checked lazily."""
     for checkpoint in sized_newest_first(storage):
         check = integrity.check_contents(storage, checkpoint.name, checkpoint.record, verify)
-        if check.problem:
-            log.warning("skipping checkpoint %s: %s", checkpoint.path, check.problem)
-            continue
-        yield checkpoint
+        if not check.problem:
+            return checkpoint
+        log.warning("skipping checkpoint %s: %s", checkpoint.path, check.problem)
+    return None
 
 
 def sized_newest_first(storage: Storage):
@@ -230,8 +223,7 @@ def checkpoint_names(storage: Storage) -> list[str]:
 def space_needed(storage: Storage, keep_last: int) -> tuple[int | None, str]:
     """(Bytes the next saves still need, how that was computed), or (None, why) with no
     checkpoint to measure: ``keep_last + 1`` of the newest's size, less what is held."""
-    committed = list_committed(storage, warn=False)
-    if not committed:
+    if not (committed := list_committed(storage, warn=False)):
         return None, "no checkpoint to measure yet"
     sizes = [sum((integrity.file_sizes(c.record) or {}).values()) for c in committed]
     one, held = sizes[-1], sum(sizes[-keep_last:])
@@ -257,8 +249,7 @@ def check_storage(storage: Storage, keep_last: int, retry_s: float = 0.0) -> Non
             return message, is_transient(exc)
         return None
 
-    refused = decide_on_rank0(verdict)
-    if refused is not None:
+    if (refused := decide_on_rank0(verdict)) is not None:
         message, unreachable = refused
         raise (StorageUnavailable if unreachable else StorageError)(message)
 
@@ -295,15 +286,12 @@ def retire_old(storage: Storage, keep_last: int, *, up_to: int | None = None,
     ``best.keep``; returns the names removed. With ``up_to`` (the step just committed),
     later steps neither count nor go: a run this one did not resume from (damaged, refused)
     left them, and counting them would retire this run's saves until it passes their step."""
-    removed = []
     committed = [c for c in list_committed(storage, warn=False)
                  if up_to is None or c.step <= up_to]
     kept = {c.name for c in (best or BestRule()).best(committed)}
-    for old in committed[:-keep_last]:
-        if old.name in kept:
-            continue
-        _discard(storage, old.name)
-        removed.append(old.name)
+    removed = [old.name for old in committed[:-keep_last] if old.name not in kept]
+    for name in removed:
+        _discard(storage, name)
     return removed
 
 
@@ -318,13 +306,10 @@ def _discard(storage: Storage, name: str) -> None:
 
 
 def clean_leftovers(storage: Storage) -> list[str]:
-    """Remove saves that never committed (on object stores: ``step_*`` without a commit
-    file) and removals that never finished."""
-    leftovers = []
-    for name in storage.list_names():
-        unfinished = (not storage.atomic_rename and _NAME.match(name)
-                      and storage.size(f"{name}/{COMMIT_FILE}") is None)
-        if _LEFTOVER.match(name) or unfinished:
-            storage.remove_tree(name)
-            leftovers.append(name)
+    """Remove saves that never committed (object stores: no commit.json) and unfinished removals."""
+    leftovers = [name for name in storage.list_names() if _LEFTOVER.match(name) or (
+        not storage.atomic_rename and _NAME.match(name)
+        and storage.size(f"{name}/{COMMIT_FILE}") is None)]
+    for name in leftovers:
+        storage.remove_tree(name)
     return leftovers

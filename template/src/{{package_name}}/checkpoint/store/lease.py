@@ -91,8 +91,7 @@ class Lease:
             return f"no heartbeat for {now - owner.heartbeat:.0f} s"
         if owner.host == self.me.host and not alive(owner.pid):
             return f"process {owner.pid} on this host has ended"
-        job = scheduler_job_id()
-        if job is not None and owner.job_id == job:
+        if (job := scheduler_job_id()) is not None and owner.job_id == job:
             return f"an earlier run of this job ({job}), which has ended"
         return None
 
@@ -111,10 +110,10 @@ class Lease:
             if owner is None or self._is_me(owner) or gone is not None:
                 if take:
                     self._write(now)
-                notice = None
-                if owner is not None and gone is not None and not self._is_me(owner):
-                    notice = f"took over the lease of {owner.describe(now)}: {gone}"
-                    log.warning("checkpoint.dir %s: %s", self.storage, notice)
+                if owner is None or self._is_me(owner):
+                    return None
+                notice = f"took over the lease of {owner.describe(now)}: {gone}"
+                log.warning("checkpoint.dir %s: %s", self.storage, notice)
                 return notice
             if time.monotonic() >= deadline:
                 raise LeaseHeld(
@@ -143,8 +142,7 @@ class Lease:
         renewed = time.time()
         while not self._stop.wait(interval):
             try:
-                owner = self.owner()
-                if owner is not None and not self._is_me(owner):
+                if (owner := self.owner()) is not None and not self._is_me(owner):
                     self.held = False
                     log.error("checkpoint.dir %s was taken over by %s: no checkpoint of this "
                               "job will commit there any more", self.storage,
@@ -165,8 +163,7 @@ class Lease:
     def release_for_ended_job(self, job_id: str) -> str | None:
         """Remove ``job_id``'s lease, the caller knowing that job ended on every node (one still
         running rewrites it at its next beat); the holder in words, or None if not held."""
-        owner = self.owner()
-        if owner is None or owner.job_id != job_id:
+        if (owner := self.owner()) is None or owner.job_id != job_id:
             return None
         self.storage.remove_file(LEASE_FILE)
         return owner.describe(time.time())
@@ -180,8 +177,7 @@ class Lease:
             return
         self.held = False
         try:
-            owner = self.owner()
-            if owner is not None and self._is_me(owner):
+            if (owner := self.owner()) is not None and self._is_me(owner):
                 self.storage.remove_file(LEASE_FILE)
         except Exception as exc:  # noqa: BLE001 - any store error (botocore's are not OSErrors)
             # The run's own outcome stands; the lease goes stale in lease_stale_s.

@@ -50,8 +50,7 @@ def with_retries(call: Callable[[], T], where: str, budget_s: float,
 
 
 def command_failure(exc: BaseException, where: str) -> tuple[int, str] | None:
-    """The exit status and the sentence for a storage error that ended a command, or None
-    when ``exc`` is not a storage error."""
+    """The exit status and sentence for a storage error that ended a command; None if not one."""
     if is_transient(exc):
         message = str(exc) if isinstance(exc, StorageUnavailable) else (
             f"{where} cannot be reached: {error_line(exc)}")
@@ -75,8 +74,7 @@ def ends_storage_errors(main: Callable[..., int]) -> Callable[..., int]:
         except Refused:
             raise
         except Exception as exc:
-            failure = command_failure(exc, "the checkpoint storage")
-            if failure is None:
+            if (failure := command_failure(exc, "the checkpoint storage")) is None:
                 raise
             raise Refused(failure[1], failure[0]) from exc
 

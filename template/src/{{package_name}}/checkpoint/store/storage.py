@@ -65,7 +65,6 @@ class LocalStorage:
             return None
 
     def list_files(self, name: str) -> dict[str, int]:
-        """Files of a directory with their sizes."""
         return {p.name: p.stat().st_size for p in (self.root / name).iterdir() if p.is_file()}
 
     def read_text(self, name: str) -> str:
@@ -238,11 +237,9 @@ class FsspecStorage:
 Storage = LocalStorage | FsspecStorage
 
 
-def probe(storage: Storage, needed_bytes: int | None = None, detail: str = "") -> None:
-    """StorageError (one sentence: checkpoint.dir and the cause) for storage that cannot hold
-    checkpoints, or has less free space than ``needed_bytes`` (``detail``: how estimated)."""
+def probe(storage: Storage) -> None:
+    """StorageError (one sentence: checkpoint.dir and the cause) where checkpoints cannot go."""
     storage.probe()
-    check_space(storage, needed_bytes, detail)
 
 
 def check_space(storage: Storage, needed_bytes: int | None, detail: str = "") -> None:
