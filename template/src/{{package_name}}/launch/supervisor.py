@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None, zygote: Started | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     if (too_old := torch_too_old()) is not None:   # before torchrun, whose options it may not know
-        print(f"resume: {too_old}", file=sys.stderr)
+        say(too_old)
         return exit_codes.BAD_INPUT
     where = "checkpoint.dir"
     try:

@@ -13,20 +13,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import require
+from ..config.checks import at_least, bounded, check_bounds
 
 VOCAB_SIZE = 256  # bytes
 
 
 @dataclass
 class TinyConfig:
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
+    d_model: int = bounded(64, at_least(1))
+    n_layers: int = bounded(2, at_least(1))
+    n_heads: int = bounded(4, at_least(1))
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        for key in ("d_model", "n_layers", "n_heads"):
-            require(getattr(self, key) >= 1, f"model.{key}", "must be >= 1", getattr(self, key))
+        check_bounds(self, "model")
         require(self.d_model % max(1, self.n_heads) == 0, "model.d_model",
                 f"must be a multiple of model.n_heads={self.n_heads}", self.d_model)
         require(0 <= self.dropout < 1, "model.dropout", "must be in [0, 1)", self.dropout)
